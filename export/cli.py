@@ -1,0 +1,72 @@
+"""python -m export MODEL [--head HEAD | --no-head] [--out DIR] [--target onnx] [--precision P] ..."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from models.config import UnsupportedModelError
+from models.registry import ALIASES
+from models.weights import WeightsError
+
+from .artifact import ArtifactError
+from .onnx_graph import PRECISIONS
+from .onnx_export import ExportError, export_onnx
+from .verify import ParityError
+
+TARGETS = ("onnx",)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m export", description="Export a model and its EAGLE draft head.")
+    p.add_argument("model", nargs="?", help="alias (see --list), HF model directory, .gguf file or hub id")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--head", help="EAGLE-1/2 head directory or hub id (default: the alias's head)")
+    g.add_argument("--no-head", action="store_true", help="export the base graph alone")
+    p.add_argument("--out", type=Path, help="artifact directory (default: artifacts/<name>[-<precision>])")
+    p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime)")
+    p.add_argument("--precision", default="fp32", help="fp32 (CPU default), fp16 (CUDA), int8 (8-bit weights)")
+    p.add_argument("--max-length", type=int, help="KV cache length / longest sequence (default 2048)")
+    p.add_argument("--no-verify", action="store_true", help="skip the parity check against PyTorch")
+    p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    p.add_argument("--list", action="store_true", help="print the aliases and exit")
+    return p
+
+
+def default_out(model: str, precision: str) -> Path:
+    name = model if model in ALIASES else Path(model.rstrip("/")).name.removesuffix(".gguf").replace("/", "--")
+    return Path("artifacts") / (name if precision == "fp32" else f"{name}-{precision}")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.list:
+        for name, a in ALIASES.items():
+            print(f"{name:14} {a.note}\n{'':14} base: {a.base}\n{'':14} head: {a.head}")
+        return 0
+    if not args.model:
+        parser().error("MODEL is required (or --list)")
+    try:
+        if args.target not in TARGETS:
+            raise ExportError(f"unsupported target {args.target!r}; choose one of {', '.join(TARGETS)}")
+        if args.precision not in PRECISIONS:
+            raise ExportError(f"unsupported precision {args.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        out = args.out or default_out(args.model, args.precision)
+        if out.exists() and not args.force:
+            raise ArtifactError(f"{out} already exists (pass --force to replace it)")
+        from models.registry import load_checkpoint
+        print(f"loading {args.model} ...", file=sys.stderr)
+        ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)
+        manifest = export_onnx(ckpt, out, args.precision, args.max_length, verify=not args.no_verify,
+                               overwrite=args.force, log=lambda m: print(m, file=sys.stderr))
+    except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    head = "with draft head" if manifest["head"] else "base only (no draft head)"
+    print(f"exported {args.model} ({args.precision}, {head}) in {manifest['export_seconds']} s")
+    print(f"artifact: {out.resolve()}")
+    print(f'next: python -m runtime generate {out} --prompt "What is the capital of France?" --stats')
+    return 0

@@ -1,0 +1,132 @@
+"""Checkpoint -> ONNX artifact directory (graphs, shared weights, tokenizer, manifest), atomically."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+from models.weights import Checkpoint
+
+from .artifact import atomic_directory, write_manifest
+from .onnx_graph import PRECISIONS, WeightStore, build_base, build_draft, lm_head_name
+
+# Verify sizes that pay on each kind of device (see README "Choosing the tree"): on a 2-core
+# CPU a 60-token verify costs 4.6x a decode step, so CPU precisions default to small trees;
+# fp16 targets CUDA, where EAGLE-2's own default is right.
+DEFAULT_TREE = {
+    "fp32": {"total_tokens": 12, "depth": 4, "top_k": 4},
+    "int8": {"total_tokens": 12, "depth": 4, "top_k": 4},
+    "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10},
+}
+# Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
+TREE_POSITION_MARGIN = 64
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+class ExportError(ValueError):
+    pass
+
+
+def _dtype_name(elem: int) -> str:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)).name
+
+
+def graph_spec(model: onnx.ModelProto, file: str) -> dict:
+    def values(vis):
+        return [{"name": v.name, "dtype": _dtype_name(v.type.tensor_type.elem_type),
+                 "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in vis]
+    return {"file": file, "inputs": values(model.graph.input), "outputs": values(model.graph.output)}
+
+
+def stop_token_ids(ckpt: Checkpoint) -> list[int]:
+    tok = ckpt.tokenizer
+    ids = set(ckpt.cfg.eos_token_ids)
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    vocab = tok.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
+    return sorted(i for i in ids if i < ckpt.cfg.vocab_size)
+
+
+def save_tokenizer(ckpt: Checkpoint, directory: Path) -> None:
+    ckpt.tokenizer.save_pretrained(str(directory))
+    template = getattr(ckpt.tokenizer, "chat_template", None)
+    if template and not (directory / "chat_template.jinja").exists():
+        (directory / "chat_template.jinja").write_text(template)
+
+
+def versions() -> dict:
+    import onnxruntime
+    import torch
+    import transformers
+    from importlib.metadata import version
+    return {"exporter": version("eagle2-deploy") if _installed() else "source", "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def _installed() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version("eagle2-deploy")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length: int | None = None,
+                verify: bool = True, overwrite: bool = False, log=print) -> dict:
+    if precision not in PRECISIONS:
+        raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    cfg = ckpt.cfg
+    max_length = max_length or min(2048, cfg.max_position_embeddings)
+    if max_length < 16:
+        raise ExportError(f"--max-length {max_length} is too small (at least 16)")
+    n_positions = max_length + TREE_POSITION_MARGIN
+    start = time.time()
+    state = {k: v.float().numpy() for k, v in ckpt.state.items()}
+    with atomic_directory(out, overwrite) as tmp:
+        store = WeightStore()
+        with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
+            base = build_base(cfg, state, precision, n_positions, store, bar)
+        (tmp / "base.onnx").write_bytes(base.SerializeToString())
+        graphs = {"base": graph_spec(base, "base.onnx")}
+        if ckpt.head_cfg is not None:
+            lm = lm_head_name(cfg)
+            head_state = {k: v.float().numpy() for k, v in ckpt.head_state.items()}
+            head_state.update({"model.embed_tokens.weight": state["model.embed_tokens.weight"], lm: state[lm]})
+            draft = build_draft(cfg, ckpt.head_cfg, head_state, precision, n_positions, store)
+            (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
+            graphs["draft"] = graph_spec(draft, "draft.onnx")
+        with tqdm(total=store.nbytes, desc="weights", unit="B", unit_scale=True, file=sys.stderr) as bar:
+            store.write(tmp / "weights.bin", bar)
+        save_tokenizer(ckpt, tmp / "tokenizer")
+        manifest = {
+            "model": {"source": ckpt.source, "config": cfg.to_dict()},
+            "head": None if ckpt.head_cfg is None else {"source": ckpt.head_source, "config": ckpt.head_cfg.to_dict()},
+            "target": "onnx",
+            "precision": precision,
+            "io_dtype": "float16" if precision == "fp16" else "float32",
+            "max_length": max_length,
+            "rotary_positions": n_positions,
+            "graphs": graphs,
+            "tree_defaults": DEFAULT_TREE[precision],
+            "stop_token_ids": stop_token_ids(ckpt),
+            "tokenizer": "tokenizer",
+            "versions": versions(),
+        }
+        if verify:
+            from .verify import check_parity
+            diffs = check_parity(tmp, manifest, cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state)
+            manifest["parity"] = diffs
+            log("parity vs PyTorch definition (max abs diff / max abs value): " +
+                ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        manifest["export_seconds"] = round(time.time() - start, 1)
+        write_manifest(tmp, manifest)
+    return json.loads((out / "manifest.json").read_text())

@@ -1,0 +1,319 @@
+"""ONNX graphs for the base model and the EAGLE draft head, built op by op from a state dict.
+
+Why hand-built rather than traced: the hot path wants ONNX Runtime's fused contrib ops
+(GroupQueryAttention with fused RoPE and a KV buffer shared between past and present,
+SkipSimplifiedLayerNormalization, MatMulNBits), which no tracer emits, and EAGLE needs inputs the
+stock builders lack (explicit position ids, an additive tree bias) and the post-norm hidden states.
+
+KV cache design: one buffer per layer and per K/V, [1, kv_heads, max_length, head_dim], bound as
+both past_* input and present_* output. GroupQueryAttention detects the shared buffer and writes
+the T new tokens at [total - T, total) in place, where total is the attention bias width (cached
+tokens + T). Nothing outside the graph copies the cache on a step.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from models.config import ModelConfig
+from models.rope import cos_sin_tables
+
+OPSET = 21
+IR_VERSION = 10  # readable by the onnxruntime builds of the cuda and openvino extras
+WEIGHTS_FILE = "weights.bin"
+ALIGN = 4096
+PRECISIONS = ("fp32", "fp16", "int8")
+INT8_BLOCK = 32
+# Level 4 = int8 activations x int8 weights (VNNI): about 1.5x faster than fp32 on this CPU;
+# level 0 would dequantize weights to fp32 on the fly and lose most of the gain.
+INT8_ACCURACY_LEVEL = 4
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+
+    @property
+    def io_dtype(self):
+        return np.float16 if self.name == "fp16" else np.float32
+
+    @property
+    def onnx_io(self) -> int:
+        return helper.np_dtype_to_tensor_dtype(np.dtype(self.io_dtype))
+
+
+class WeightStore:
+    """Every large tensor of an artifact, written once to weights.bin as ONNX external data.
+
+    Graphs refer to tensors by name, so the draft graph's embedding and lm_head are the very
+    bytes of the base graph's, not a second copy.
+    """
+
+    def __init__(self):
+        self._arrays: dict[str, np.ndarray] = {}
+        self._offsets: dict[str, int] = {}
+        self._size = 0
+
+    def tensor(self, name: str, array: np.ndarray) -> TensorProto:
+        array = np.ascontiguousarray(array)
+        if name in self._arrays:
+            old = self._arrays[name]
+            if old.shape != array.shape or old.dtype != array.dtype or not np.array_equal(old, array):
+                raise ValueError(f"two different tensors named {name!r}")
+        else:
+            self._arrays[name] = array
+            self._offsets[name] = self._size
+            self._size += -(-array.nbytes // ALIGN) * ALIGN
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        for key, value in (("location", WEIGHTS_FILE), ("offset", self._offsets[name]), ("length", array.nbytes)):
+            t.external_data.add(key=key, value=str(value))
+        t.data_location = TensorProto.EXTERNAL
+        return t
+
+    def write(self, path, progress=None) -> None:
+        with open(path, "wb") as f:
+            for name, array in self._arrays.items():
+                f.seek(self._offsets[name])
+                f.write(array.tobytes())
+                if progress is not None:
+                    progress.update(array.nbytes)
+            f.truncate(self._size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
+
+
+class Graph:
+    """A tiny graph-building helper: ops return the names of their outputs."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+        self.nodes, self.inputs, self.outputs, self.initializers = [], [], [], []
+        self._names: set[str] = set()
+        self._n = 0
+
+    def input(self, name, elem_type, shape):
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, name, elem_type, shape):
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        if name not in self._names:
+            self._names.add(name)
+            self.initializers.append(self.store.tensor(name, array))
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        self._n += 1
+        name = f"const_{self._n}"
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def op(self, op_type, inputs, outputs=1, domain="", name=None, **attrs):
+        self._n += 1
+        base = name or f"{op_type}_{self._n}"
+        outs = [f"{base}_out{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain or None, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def model(self, name: str, doc: str) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers)
+        return helper.make_model(graph, doc_string=doc, ir_version=IR_VERSION, producer_name="eagle2-export",
+                                 opset_imports=[helper.make_opsetid("", OPSET),
+                                                helper.make_opsetid("com.microsoft", 1)])
+
+
+def quantize_8bit(w: np.ndarray, block: int = INT8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric 8-bit blockwise weights in MatMulNBits layout (implicit zero point 128).
+
+    w is [N, K] (a torch Linear weight). Returns B [N, K/block, block] uint8 and scales [N, K/block].
+    """
+    n, k = w.shape
+    pad = -k % block
+    w = np.pad(w.astype(np.float32), ((0, 0), (0, pad))).reshape(n, -1, block)
+    scale = np.abs(w).max(axis=-1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale[..., None]) + 128, 0, 255).astype(np.uint8)
+    return q, scale.astype(np.float32)
+
+
+def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:
+    w = (q.astype(np.float32) - 128) * scale[..., None]
+    return w.reshape(q.shape[0], -1)[:, :k]
+
+
+class Builder:
+    """Emits the layers shared by the base and draft graphs for one precision."""
+
+    def __init__(self, g: Graph, precision: str, state: dict[str, np.ndarray]):
+        self.g, self.p, self.state = g, Precision(precision), state
+
+    def param(self, name: str) -> str:
+        return self.g.weight(name, self.state[name].astype(self.p.io_dtype))
+
+    def linear(self, x: str, name: str, weight: np.ndarray, bias: np.ndarray | None = None) -> str:
+        """x [T, K] @ weight[N, K]^T (+ bias). Weights stay in torch layout: Gemm transB=1, no copy."""
+        g = self.g
+        if self.p.name == "int8":
+            q, scale = quantize_8bit(weight)
+            n, k = weight.shape
+            ins = [x, g.weight(f"{name}.q8", q), g.weight(f"{name}.scales", scale)]
+            if bias is not None:
+                ins += ["", "", g.weight(f"{name}.bias", bias.astype(np.float32))]
+            return g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=8,
+                        block_size=INT8_BLOCK, accuracy_level=INT8_ACCURACY_LEVEL)
+        ins = [x, g.weight(f"{name}.weight", weight.astype(self.p.io_dtype))]
+        if bias is not None:
+            ins.append(g.weight(f"{name}.bias", bias.astype(self.p.io_dtype)))
+        return g.op("Gemm", ins, transB=1)
+
+    def proj(self, x: str, prefix: str, names: list[str]) -> str:
+        """Several torch Linear layers sharing an input, fused into one matmul."""
+        w = np.concatenate([self.state[f"{prefix}{n}.weight"] for n in names])
+        has_bias = f"{prefix}{names[0]}.bias" in self.state
+        b = np.concatenate([self.state[f"{prefix}{n}.bias"] for n in names]) if has_bias else None
+        return self.linear(x, prefix + "_".join(names), w, b)
+
+    def attention(self, cfg: ModelConfig, prefix: str, x: str, layer: str, io: "StepInputs") -> str:
+        g = self.g
+        qkv = self.proj(x, f"{prefix}self_attn.", ["q_proj", "k_proj", "v_proj"])
+        qkv3 = g.op("Reshape", [qkv, g.const([1, -1, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim])])
+        attn, _, _ = g.op("GroupQueryAttention",
+                    [qkv3, "", "", f"past_key_{layer}", f"past_value_{layer}", io.seqlens_k, io.total,
+                     io.cos, io.sin, "position_ids", "attention_bias"],
+                    [f"attn_{layer}", f"present_key_{layer}", f"present_value_{layer}"],
+                    domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
+                    do_rotary=1, rotary_interleaved=0)
+        attn2 = g.op("Reshape", [attn, g.const([-1, cfg.num_heads * cfg.head_dim])])
+        o_bias = self.state.get(f"{prefix}self_attn.o_proj.bias")
+        return self.linear(attn2, f"{prefix}self_attn.o_proj", self.state[f"{prefix}self_attn.o_proj.weight"], o_bias)
+
+    def mlp(self, x: str, prefix: str) -> str:
+        g = self.g
+        gate, up = g.op("Split", [self.proj(x, f"{prefix}mlp.", ["gate_proj", "up_proj"])], 2, axis=-1, num_outputs=2)
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        return self.linear(act, f"{prefix}mlp.down_proj", self.state[f"{prefix}mlp.down_proj.weight"])
+
+    def add_norm(self, delta: str, residual: str, weight: str, eps: float) -> tuple[str, str]:
+        """(rmsnorm(residual + delta), residual + delta) in one fused op."""
+        normed, _, _, total = self.g.op("SkipSimplifiedLayerNormalization", [delta, residual, self.param(weight)],
+                                        4, domain="com.microsoft", epsilon=eps)
+        return normed, total
+
+    def lm_head(self, x: str, weight_name: str) -> str:
+        # Tied models store one matrix: Gather for the embedding, Gemm transB for the head.
+        return self.linear(x, weight_name.removesuffix(".weight"), self.state[weight_name])
+
+
+@dataclass
+class StepInputs:
+    """Graph-side values every attention layer needs, derived from the graph inputs."""
+    seqlens_k: str
+    total: str
+    cos: str
+    sin: str
+
+
+def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n_positions: int) -> StepInputs:
+    """Inputs shared by both graphs; the attention bias width defines the total length, so the
+    runtime never passes sequence lengths separately (one source of truth)."""
+    io = b.p.onnx_io
+    g.input("input_ids", TensorProto.INT64, [1, "T"])
+    g.input("position_ids", TensorProto.INT64, [1, "T"])
+    g.input("attention_bias", io, [1, 1, "T", "total"])
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            g.input(f"past_{kind}_{i}", io, [1, cfg.num_kv_heads, "max_length", cfg.head_dim])
+    total64 = g.op("Shape", ["attention_bias"], start=3, end=4)
+    total32 = g.op("Cast", [total64], to=TensorProto.INT32)
+    seqlens_k = g.op("Sub", [total32, g.const([1], np.int32)])
+    total = g.op("Squeeze", [total32, g.const([0])])
+    cos, sin = (t.astype(b.p.io_dtype) for t in cos_sin_tables(cfg, n_positions))
+    # Named by content: base and head share the table when their RoPE agrees, and only then.
+    tag = hashlib.sha1(cos.tobytes()).hexdigest()[:12]
+    return StepInputs(seqlens_k, total, g.weight(f"rotary.{tag}.cos", cos), g.weight(f"rotary.{tag}.sin", sin))
+
+
+def declare_cache_outputs(g: Graph, cfg: ModelConfig, io: int, n_layers: int) -> None:
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            g.output(f"present_{kind}_{i}", io, [1, cfg.num_kv_heads, "max_length", cfg.head_dim])
+
+
+def embed(g: Graph, b: Builder, cfg: ModelConfig) -> str:
+    x = g.op("Gather", [b.param("model.embed_tokens.weight"), "input_ids"])
+    return g.op("Reshape", [x, g.const([-1, cfg.hidden_size])])
+
+
+def lm_head_name(cfg: ModelConfig) -> str:
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+
+def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n_positions: int,
+               store: WeightStore, progress=None) -> onnx.ModelProto:
+    """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; past_{key,value}_i.
+    Outputs: logits [1,T,V] (fp32), hidden_states [1,T,H] (post-final-norm), present_{key,value}_i."""
+    g = Graph(store)
+    b = Builder(g, precision, state)
+    io = b.p.onnx_io
+    step = declare_step_inputs(g, b, cfg, cfg.num_layers, n_positions)
+    x = embed(g, b, cfg)
+    h = g.op("SimplifiedLayerNormalization", [x, b.param("model.layers.0.input_layernorm.weight")],
+             axis=-1, epsilon=cfg.rms_norm_eps)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h, x = b.add_norm(b.attention(cfg, p, h, str(i), step), x, f"{p}post_attention_layernorm.weight",
+                          cfg.rms_norm_eps)
+        nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < cfg.num_layers else "model.norm.weight"
+        h, x = b.add_norm(b.mlp(h, p), x, nxt, cfg.rms_norm_eps)
+        if progress is not None:
+            progress.update(1)
+    logits = b.lm_head(h, lm_head_name(cfg))
+    if precision == "fp16":
+        logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
+    g.op("Reshape", [logits, g.const([1, -1, cfg.vocab_size])], ["logits"])
+    g.op("Reshape", [h, g.const([1, -1, cfg.hidden_size])], ["hidden_states"])
+    g.output("logits", TensorProto.FLOAT, [1, "T", cfg.vocab_size])
+    g.output("hidden_states", io, [1, "T", cfg.hidden_size])
+    declare_cache_outputs(g, cfg, io, cfg.num_layers)
+    return g.model("base", "EAGLE-2 base model: tree step over an in-place KV cache")
+
+
+def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, np.ndarray], precision: str,
+                n_positions: int, store: WeightStore) -> onnx.ModelProto:
+    """EAGLE-1/2 head. `state` holds the head tensors plus the base's embedding and lm_head.
+    Inputs: input_ids, position_ids [1,T]; features [1,T,H]; attention_bias; past_{key,value}_0; top_k [1].
+    Outputs: hidden_states [1,T,H] (fed to the next depth), topk_ids [1,T,k] int64,
+    topk_logprobs [1,T,k] fp32 (log-softmax and top-k inside, so only small tensors leave the device)."""
+    g = Graph(store)
+    b = Builder(g, precision, state)
+    io = b.p.onnx_io
+    step = declare_step_inputs(g, b, head_cfg, 1, n_positions)
+    g.input("features", io, [1, "T", head_cfg.hidden_size])
+    g.input("top_k", TensorProto.INT64, [1])
+    feats = g.op("Reshape", ["features", g.const([-1, head_cfg.hidden_size])])
+    x = g.op("Concat", [embed(g, b, base_cfg), feats], axis=-1)
+    x = b.linear(x, "fc", state["fc.weight"], state.get("fc.bias"))
+    h, x = b.add_norm(b.attention(head_cfg, "layers.0.", x, "0", step), x, "layers.0.post_attention_layernorm.weight",
+                      head_cfg.rms_norm_eps)
+    out = g.op("Add", [x, b.mlp(h, "layers.0.")])
+    logits = b.lm_head(out, lm_head_name(base_cfg))
+    if precision == "fp16":
+        logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
+    logp = g.op("LogSoftmax", [logits], axis=-1)
+    values, indices = g.op("TopK", [logp, "top_k"], 2, axis=-1)
+    g.op("Reshape", [out, g.const([1, -1, head_cfg.hidden_size])], ["hidden_states"])
+    g.op("Unsqueeze", [values, g.const([0])], ["topk_logprobs"])
+    g.op("Unsqueeze", [indices, g.const([0])], ["topk_ids"])
+    g.output("hidden_states", io, [1, "T", head_cfg.hidden_size])
+    g.output("topk_ids", TensorProto.INT64, [1, "T", "k"])
+    g.output("topk_logprobs", TensorProto.FLOAT, [1, "T", "k"])
+    declare_cache_outputs(g, head_cfg, io, 1)
+    return g.model("draft", "EAGLE-1/2 draft head: fc + one decoder layer + base lm_head, top-k inside")

@@ -1,0 +1,139 @@
+"""Parity of the exported graphs against the PyTorch definitions in models/.
+
+A random prefill followed by a random tree step (non-sequential positions, a tree mask), on the
+base and on the draft head, through the real ONNX Runtime sessions and in-place caches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.config import ModelConfig
+from models.llama import CausalLM, EagleHead, KVCache, causal_bias
+from runtime.session import GraphSession
+
+from .onnx_graph import dequantize_8bit, quantize_8bit
+
+# Largest allowed max|graph - reference| / max|reference| per tensor, by precision. The reference
+# holds the graph's own weights (fp16-rounded or 8-bit dequantized), so what remains is the graph's
+# arithmetic: fp32 reordering, fp16 activations, or int8 activation rounding (MatMulNBits level 4).
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 0.2}
+
+LINEAR_SUFFIXES = ("_proj.weight", "fc.weight", "lm_head.weight")
+
+
+class ParityError(AssertionError):
+    pass
+
+
+def stored_weights(state: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+    """The weights as the graph holds them (rounded to fp16, or 8-bit dequantized), in fp32."""
+    out = {}
+    for name, t in state.items():
+        t = t.float()
+        if precision == "fp16":
+            t = t.half().float()
+        elif precision == "int8" and name.endswith(LINEAR_SUFFIXES):
+            q, s = quantize_8bit(t.numpy())
+            t = torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
+        out[name] = t
+    return out
+
+
+def reference_models(cfg, state, head_cfg, head_state, precision, n_positions):
+    """PyTorch twins of the exported graphs; for int8 the tied lm_head is quantized but the
+    embedding is not, exactly as in the graph."""
+    base = CausalLM(cfg, n_positions).eval()
+    base.load_state_dict({k: v for k, v in stored_weights(state, precision).items() if k != "lm_head.weight"},
+                         strict=False)
+    # Always untied here: in an int8 graph the lm_head is quantized while the embedding is not.
+    lm = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    base.lm_head.weight = torch.nn.Parameter(stored_weights({"lm_head.weight": lm}, precision)["lm_head.weight"])
+    head = None
+    if head_cfg is not None:
+        head = EagleHead(head_cfg, n_positions).eval()
+        head.load_state_dict(stored_weights(head_state, precision))
+    return base, head
+
+
+def random_tree(t: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, t)])
+    depth = np.zeros(t, np.int64)
+    for i in range(1, t):
+        depth[i] = depth[parents[i]] + 1
+    return parents, depth
+
+
+def tree_bias(parents: np.ndarray, start: int) -> np.ndarray:
+    t = len(parents)
+    bias = np.zeros((1, 1, t, start + t), np.float32)
+    for i in range(t):
+        visible = set()
+        j = i
+        while j >= 0:
+            visible.add(j)
+            j = parents[j]
+        for j in range(t):
+            if j not in visible:
+                bias[0, 0, i, start + j] = np.finfo(np.float32).min
+    return bias
+
+
+def _cast(x: np.ndarray, spec_dtype: str) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(np.float16 if spec_dtype == "float16" else x.dtype))
+
+
+def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, head_state,
+                 prefill: int = 12, tree: int = 8, seed: int = 0) -> dict[str, float]:
+    """Returns the relative max differences; raises ParityError above the precision's tolerance."""
+    precision = manifest["precision"]
+    n_pos = manifest["rotary_positions"]
+    io_dtype = manifest["io_dtype"]
+    rng = np.random.default_rng(seed)
+    cache_len = prefill + tree + 4
+    base_ref, head_ref = reference_models(cfg, state, head_cfg, head_state, precision, n_pos)
+    parents, depth = random_tree(tree, rng)
+    steps = [  # (ids, positions, bias, start)
+        (rng.integers(0, cfg.vocab_size, (1, prefill)), np.arange(prefill)[None], causal_bias(prefill).numpy(), 0),
+        (rng.integers(0, cfg.vocab_size, (1, tree)), (prefill + depth)[None], tree_bias(parents, prefill), prefill),
+    ]
+    diffs: dict[str, float] = {}
+
+    def record(name, got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+        diffs[name] = max(diffs.get(name, 0.0), rel)
+
+    base = GraphSession(str(artifact / manifest["graphs"]["base"]["file"]), manifest["graphs"]["base"], "cpu",
+                        cache_len, max(prefill, tree))
+    cache = KVCache(cfg, cache_len)
+    features = []
+    with torch.no_grad():
+        for ids, pos, bias, start in steps:
+            out = base.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype)})
+            logits, hidden = base_ref(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(bias), cache, start)
+            record("base.logits", out["logits"], logits)
+            record("base.hidden_states", out["hidden_states"], hidden)
+            features.append(hidden)
+        onnx_k = base.cache_arrays()[0][:, :, :prefill + tree]
+        record("base.kv_cache", onnx_k, cache.k[0][:, :, :prefill + tree])
+        if head_ref is not None:
+            draft = GraphSession(str(artifact / manifest["graphs"]["draft"]["file"]), manifest["graphs"]["draft"],
+                                 "cpu", cache_len, max(prefill, tree))
+            dcache = KVCache(head_cfg, cache_len)
+            k = min(8, cfg.vocab_size)
+            top_k = np.array([k], np.int64)
+            for (ids, pos, bias, start), feats in zip(steps, features):
+                out = draft.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
+                                 "features": _cast(feats.numpy(), io_dtype), "top_k": top_k}, k=k)
+                h = head_ref(base_ref.model.embed_tokens(torch.from_numpy(ids)), feats, torch.from_numpy(pos),
+                             torch.from_numpy(bias), dcache, start)
+                logp = torch.log_softmax(base_ref.lm_head(h).float(), -1)
+                record("draft.hidden_states", out["hidden_states"], h)
+                record("draft.topk_logprobs", out["topk_logprobs"], logp.topk(k, -1).values)
+    tol = TOLERANCE[precision]
+    bad = {n: d for n, d in diffs.items() if d > tol}
+    if bad:
+        raise ParityError(f"{precision} graphs differ from the PyTorch definition beyond {tol}: " +
+                          ", ".join(f"{n} {d:.3g}" for n, d in bad.items()))
+    return diffs

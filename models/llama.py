@@ -1,0 +1,162 @@
+"""Compact PyTorch definitions of the base (Llama family, Qwen2) and of the EAGLE-1/2 head.
+
+They mirror the exported graphs exactly: explicit position ids, an additive attention bias over
+[cached tokens + new tokens], and a KV cache preallocated for max_length that each call writes at
+[cache_len, cache_len + T). Parameter names follow Hugging Face so checkpoints load as they are.
+Nothing here imports transformers' modeling code, which changes between releases.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import cos_sin_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate(x, cos, sin):
+    """Non-interleaved RoPE (HF rotate_half); cos/sin are half tables [B, T, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class KVCache:
+    """Per-layer K/V buffers [B, kv_heads, max_len, head_dim], written in place."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32):
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, bias, k_cache, v_cache, start: int):
+        b, t, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache[:, :, start:start + t] = k.to(k_cache.dtype)
+        v_cache[:, :, start:start + t] = v.to(v_cache.dtype)
+        keys = k_cache[:, :, :start + t].to(q.dtype)
+        values = v_cache[:, :, :start + t].to(q.dtype)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.to(q.dtype),
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        # EAGLE-1/2 heads drop the first layer's input norm: attention runs on fc's output.
+        if input_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, bias, k_cache, v_cache, start):
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        x = x + self.self_attn(h, cos, sin, bias, k_cache, v_cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_positions: int):
+        super().__init__()
+        cos, sin = cos_sin_tables(cfg, n_positions)
+        self.register_buffer("cos", torch.from_numpy(cos), persistent=False)
+        self.register_buffer("sin", torch.from_numpy(sin), persistent=False)
+
+    def forward(self, position_ids, dtype):
+        return self.cos[position_ids].to(dtype), self.sin[position_ids].to(dtype)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The base model. forward returns (logits, post-final-norm hidden states)."""
+
+    def __init__(self, cfg: ModelConfig, n_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg, n_positions or cfg.max_position_embeddings)
+
+    def forward(self, input_ids, position_ids, attention_bias, cache: KVCache, start: int):
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, attention_bias, cache.k[i], cache.v[i], start)
+        hidden = self.model.norm(x)
+        return self.lm_head(hidden).float(), hidden
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/2 draft head: fc over [embedding(token t+1), feature t] and one decoder layer.
+
+    It owns no embedding and no lm_head: both are the base model's, passed in at call time, so a
+    head can never silently carry a different copy of them.
+    """
+
+    def __init__(self, cfg: ModelConfig, n_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, input_norm=False)])
+        self.rotary = Rotary(cfg, n_positions or cfg.max_position_embeddings)
+
+    def forward(self, token_embeds, features, position_ids, attention_bias, cache: KVCache, start: int):
+        x = self.fc(torch.cat((token_embeds, features.to(token_embeds.dtype)), dim=-1))
+        cos, sin = self.rotary(position_ids, x.dtype)
+        return self.layers[0](x, cos, sin, attention_bias, cache.k[0], cache.v[0], start)
+
+
+def causal_bias(t: int, start: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """Additive mask [1, 1, t, start + t] for a plain causal step after `start` cached tokens."""
+    allowed = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]

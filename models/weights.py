@@ -1,0 +1,174 @@
+"""Reading checkpoints safely: Hugging Face directories, GGUF files and EAGLE heads.
+
+Weights are read with safetensors or `torch.load(weights_only=True)`; nothing unpickles code.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+
+
+class WeightsError(ValueError):
+    """Missing, corrupt or mismatched weight files."""
+
+
+@dataclass
+class Checkpoint:
+    """A base model as loaded: config, HF-named state dict, and a tokenizer directory or object."""
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]
+    tokenizer: object  # a transformers tokenizer, saved into the artifact as it is
+    source: str
+    head_cfg: ModelConfig | None = None
+    head_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_source: str | None = None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WeightsError(f"missing {path.name} in {path.parent}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{path} is not valid JSON: {e}") from None
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors and torch raise many types for truncated/garbled files
+        raise WeightsError(f"cannot read weights from {path}: {type(e).__name__}: {e}") from None
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: safetensors first, then .bin, single or sharded."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = directory / index_name
+        if index.exists():
+            shards = sorted(set(_read_json(index)["weight_map"].values()))
+            state = {}
+            for shard in shards:
+                if not (directory / shard).exists():
+                    raise WeightsError(f"missing weight shard {shard} listed in {index}")
+                state.update(_load_file(directory / shard))
+            return state
+        if (directory / single).exists():
+            return _load_file(directory / single)
+    raise WeightsError(f"no weights in {directory} (expected model.safetensors or pytorch_model.bin)")
+
+
+def _check_shapes(state: dict, expected: dict[str, tuple], what: str) -> None:
+    for name, shape in expected.items():
+        if name not in state:
+            raise WeightsError(f"{what}: missing tensor {name!r}")
+        if tuple(state[name].shape) != shape:
+            raise WeightsError(f"{what}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {shape}")
+
+
+def _layer_shapes(cfg: ModelConfig, prefix: str, input_norm: bool) -> dict[str, tuple]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    s = {
+        f"{prefix}self_attn.q_proj.weight": (cfg.num_heads * d, h),
+        f"{prefix}self_attn.k_proj.weight": (cfg.kv_dim, h),
+        f"{prefix}self_attn.v_proj.weight": (cfg.kv_dim, h),
+        f"{prefix}self_attn.o_proj.weight": (h, cfg.num_heads * d),
+        f"{prefix}mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        f"{prefix}mlp.up_proj.weight": (cfg.intermediate_size, h),
+        f"{prefix}mlp.down_proj.weight": (h, cfg.intermediate_size),
+        f"{prefix}post_attention_layernorm.weight": (h,),
+    }
+    if input_norm:
+        s[f"{prefix}input_layernorm.weight"] = (h,)
+    if cfg.qkv_bias:
+        s.update({f"{prefix}self_attn.q_proj.bias": (cfg.num_heads * d,),
+                  f"{prefix}self_attn.k_proj.bias": (cfg.kv_dim,),
+                  f"{prefix}self_attn.v_proj.bias": (cfg.kv_dim,)})
+    return s
+
+
+def base_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    s = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+         "model.norm.weight": (cfg.hidden_size,)}
+    for i in range(cfg.num_layers):
+        s.update(_layer_shapes(cfg, f"model.layers.{i}.", input_norm=True))
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return s
+
+
+def head_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    s = {"fc.weight": (cfg.hidden_size, 2 * cfg.hidden_size)}
+    if cfg.fc_bias:
+        s["fc.bias"] = (cfg.hidden_size,)
+    s.update(_layer_shapes(cfg, "layers.0.", input_norm=False))
+    return s
+
+
+def check_base(cfg: ModelConfig, state: dict, what: str) -> None:
+    _check_shapes(state, base_tensor_shapes(cfg), what)
+
+
+def load_hf_directory(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    cfg = ModelConfig.from_hf(_read_json(directory / "config.json"))
+    state = read_state_dict(directory)
+    check_base(cfg, state, f"model in {directory}")
+    return cfg, state
+
+
+def load_gguf(path: Path):
+    """Dequantize a GGUF file through transformers (needs the `gguf` and `accelerate` packages)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not path.is_file():
+        raise WeightsError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise WeightsError(f"{path} is not a GGUF file (bad magic)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
+    except ImportError as e:
+        raise WeightsError(f"loading GGUF needs extra packages: {e}") from None
+    except Exception as e:
+        raise WeightsError(f"cannot load GGUF {path}: {type(e).__name__}: {e}") from None
+    hf = model.config.to_dict()
+    cfg = ModelConfig.from_hf(hf)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    check_base(cfg, state, f"GGUF {path.name}")
+    return cfg, state, tokenizer
+
+
+def load_head(directory: Path, base: ModelConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """An official EAGLE-1/2 head directory, checked against the base it will draft for."""
+    if not directory.is_dir():
+        raise WeightsError(f"head directory not found: {directory}")
+    raw = _read_json(directory / "config.json")
+    raw.setdefault("model_type", "llama")
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise WeightsError(f"head in {directory} has {raw['num_hidden_layers']} layers; EAGLE-1/2 heads have 1")
+    cfg = ModelConfig.from_hf(raw, is_head=True)
+    for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+        hv, bv = getattr(cfg, name), getattr(base, name)
+        if hv != bv:
+            raise WeightsError(f"head {directory} does not fit the base model: {name} is {hv} in the head "
+                               f"but {bv} in the base")
+    state = read_state_dict(directory)
+    # The reference loader accepts heads saved with a "model." prefix or with the embedding.
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state.pop("embed_tokens.weight", None)
+    _check_shapes(state, head_tensor_shapes(cfg), f"head in {directory}")
+    return cfg, state
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.exists(path)

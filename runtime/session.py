@@ -1,0 +1,151 @@
+"""ONNX Runtime sessions over preallocated buffers.
+
+Each graph's KV cache is allocated once (for the session's cache length) and bound as both the
+past_* input and the present_* output, so the graph writes new K/V in place. Step inputs and
+outputs live in buffers sized for the largest step and are bound by pointer, so a steady-state
+step allocates nothing but the binding calls themselves.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"],
+}
+DEVICE = {"cpu": "cpu", "cuda": "cuda", "openvino": "cpu"}
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+
+
+class ProviderError(ValueError):
+    """The requested execution provider is unknown or not installed."""
+
+
+def check_provider(provider: str) -> None:
+    if provider not in PROVIDERS:
+        raise ProviderError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)} (or 'ipex')")
+    wanted = PROVIDERS[provider][0]
+    if wanted not in ort.get_available_providers():
+        extra = {"cuda": "cuda", "openvino": "openvino"}.get(provider)
+        raise ProviderError(f"{wanted} is not available in this onnxruntime build "
+                            f"(available: {', '.join(ort.get_available_providers())}); "
+                            f"install the project's [{extra}] extra")
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return so
+
+
+class GraphSession:
+    """One graph (base or draft) with its in-place KV cache and preallocated step buffers."""
+
+    def __init__(self, path: str, spec: dict, provider: str, cache_length: int, max_tokens: int,
+                 max_k: int = 64, threads: int | None = None):
+        check_provider(provider)
+        self.device = DEVICE[provider]
+        self.session = ort.InferenceSession(path, session_options(threads), providers=PROVIDERS[provider])
+        self.spec = spec
+        self.cache_length = cache_length
+        self.max_tokens = max_tokens
+        self.binding = self.session.io_binding()
+        self.cache_names = [i["name"] for i in spec["inputs"] if i["name"].startswith("past_")]
+        cache_dtype = NP_DTYPES[next(i["dtype"] for i in spec["inputs"] if i["name"].startswith("past_"))]
+        cache_shape = [1] + next(i["shape"] for i in spec["inputs"] if i["name"].startswith("past_"))[1:]
+        cache_shape[2] = cache_length
+        self.caches = [ort.OrtValue.ortvalue_from_shape_and_type(cache_shape, cache_dtype, self.device, 0)
+                       for _ in self.cache_names]
+        for name, value in zip(self.cache_names, self.caches):
+            self.binding.bind_ortvalue_input(name, value)
+            self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        # One buffer per non-cache output, big enough for max_tokens rows; views of it are returned.
+        self.outputs: dict[str, np.ndarray] = {}
+        self._out_shapes: dict[str, list] = {}
+        for o in spec["outputs"]:
+            if o["name"].startswith("present_"):
+                continue
+            self._out_shapes[o["name"]] = o["shape"]
+            self.outputs[o["name"]] = np.empty(int(np.prod(self._dims(o["shape"], max_tokens, max_k))),
+                                               NP_DTYPES[o["dtype"]])
+        self.max_k = max_k
+
+    @staticmethod
+    def _dims(shape, t, k):
+        return [t if d == "T" else k if d == "k" else d for d in shape]
+
+    def run(self, inputs: dict[str, np.ndarray], k: int = 1) -> dict[str, np.ndarray]:
+        """Run one step. `inputs` are C-contiguous host arrays (views of the caller's buffers);
+        the cache inputs are already bound. Returns views of the preallocated output buffers."""
+        t = inputs["input_ids"].shape[1]
+        if t > self.max_tokens or k > self.max_k:
+            raise ValueError(f"step of {t} tokens / top-{k} exceeds this session's limits "
+                             f"({self.max_tokens} tokens, top-{self.max_k})")
+        b = self.binding
+        for name, arr in inputs.items():
+            b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        views = {}
+        for name, shape in self._out_shapes.items():
+            dims = self._dims(shape, t, k)
+            buf = self.outputs[name][: int(np.prod(dims))].reshape(dims)
+            b.bind_output(name, "cpu", 0, buf.dtype, dims, buf.ctypes.data)
+            views[name] = buf
+        self.session.run_with_iobinding(b)
+        return views
+
+    def cache_arrays(self) -> list[np.ndarray]:
+        """Host views of the caches (CPU only): used by tests to inspect what the graph wrote."""
+        if self.device != "cpu":
+            raise RuntimeError("cache_arrays() is only available for host-resident caches")
+        return [v.numpy() for v in self.caches]
+
+
+def compaction_graph(n_caches: int, dtype) -> bytes:
+    """A graph that moves the accepted tree nodes' K/V rows into place, on the device.
+
+    For every cache: Gather the rows `source` along the sequence axis and TensorScatter them at
+    `destination` (the first free slot). The caches are bound in and out as the same buffers,
+    which ONNX Runtime's TensorScatter kernels recognise and update in place.
+    """
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes, inputs, outputs = [], [], []
+    inputs.append(helper.make_tensor_value_info("source", TensorProto.INT64, ["n"]))
+    inputs.append(helper.make_tensor_value_info("destination", TensorProto.INT64, [1]))
+    for i in range(n_caches):
+        shape = [1, "heads", "length", "dim"]
+        inputs.append(helper.make_tensor_value_info(f"cache_{i}", elem, shape))
+        outputs.append(helper.make_tensor_value_info(f"out_{i}", elem, shape))
+        nodes.append(helper.make_node("Gather", [f"cache_{i}", "source"], [f"rows_{i}"], axis=2))
+        nodes.append(helper.make_node("TensorScatter", [f"cache_{i}", f"rows_{i}", "destination"], [f"out_{i}"],
+                                      axis=2))
+    graph = helper.make_graph(nodes, "kv_compaction", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+    return model.SerializeToString()
+
+
+class CacheCompactor:
+    """Moves K/V rows `source` to [destination, destination + n) in every cache of a GraphSession."""
+
+    def __init__(self, target: GraphSession, provider: str):
+        dtype = target.caches[0].numpy().dtype if target.device == "cpu" else NP_DTYPES[
+            next(i["dtype"] for i in target.spec["inputs"] if i["name"].startswith("past_"))]
+        self.session = ort.InferenceSession(compaction_graph(len(target.caches), dtype), session_options(1),
+                                            providers=PROVIDERS[provider if provider != "openvino" else "cpu"])
+        self.binding = self.session.io_binding()
+        for i, value in enumerate(target.caches):
+            self.binding.bind_ortvalue_input(f"cache_{i}", value)
+            self.binding.bind_ortvalue_output(f"out_{i}", value)
+        self.destination = np.zeros(1, np.int64)
+
+    def move(self, source: np.ndarray, destination: int) -> None:
+        self.destination[0] = destination
+        b = self.binding
+        b.bind_input("source", "cpu", 0, np.int64, [len(source)], source.ctypes.data)
+        b.bind_input("destination", "cpu", 0, np.int64, [1], self.destination.ctypes.data)
+        self.session.run_with_iobinding(b)
