@@ -208,8 +208,14 @@ class Builder:
         return normed, total
 
     def lm_head(self, x: str, weight_name: str) -> str:
-        # Tied models store one matrix: Gather for the embedding, Gemm transB for the head.
-        return self.linear(x, weight_name.removesuffix(".weight"), self.state[weight_name])
+        """Logits [1, R, V] (fp32) of the rows `logit_rows` of x [T, H]. Tied models store one
+        matrix: Gather for the embedding, Gemm transB for the head."""
+        g = self.g
+        rows = g.op("Gather", [x, "logit_rows"], axis=0)
+        logits = self.linear(rows, weight_name.removesuffix(".weight"), self.state[weight_name])
+        if self.p.name == "fp16":
+            logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
+        return g.op("Unsqueeze", [logits, g.const([0])])
 
 
 @dataclass
@@ -228,6 +234,9 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
     g.input("input_ids", TensorProto.INT64, [1, "T"])
     g.input("position_ids", TensorProto.INT64, [1, "T"])
     g.input("attention_bias", io, [1, 1, "T", "total"])
+    # Rows whose logits are wanted: all tree nodes when verifying, only the last one in a prefill
+    # or a draft context pass. The vocabulary projection dominates small models, so this pays.
+    g.input("logit_rows", TensorProto.INT64, ["R"])
     for i in range(n_layers):
         for kind in ("key", "value"):
             g.input(f"past_{kind}_{i}", io, [1, cfg.num_kv_heads, "max_length", cfg.head_dim])
@@ -258,8 +267,9 @@ def lm_head_name(cfg: ModelConfig) -> str:
 
 def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n_positions: int,
                store: WeightStore, progress=None) -> onnx.ModelProto:
-    """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; past_{key,value}_i.
-    Outputs: logits [1,T,V] (fp32), hidden_states [1,T,H] (post-final-norm), present_{key,value}_i."""
+    """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
+    past_{key,value}_i. Outputs: logits [1,R,V] (fp32), hidden_states [1,T,H] (post-final-norm),
+    present_{key,value}_i."""
     g = Graph(store)
     b = Builder(g, precision, state)
     io = b.p.onnx_io
@@ -275,12 +285,9 @@ def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n
         h, x = b.add_norm(b.mlp(h, p), x, nxt, cfg.rms_norm_eps)
         if progress is not None:
             progress.update(1)
-    logits = b.lm_head(h, lm_head_name(cfg))
-    if precision == "fp16":
-        logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
-    g.op("Reshape", [logits, g.const([1, -1, cfg.vocab_size])], ["logits"])
+    g.op("Identity", [b.lm_head(h, lm_head_name(cfg))], ["logits"])
     g.op("Reshape", [h, g.const([1, -1, cfg.hidden_size])], ["hidden_states"])
-    g.output("logits", TensorProto.FLOAT, [1, "T", cfg.vocab_size])
+    g.output("logits", TensorProto.FLOAT, [1, "R", cfg.vocab_size])
     g.output("hidden_states", io, [1, "T", cfg.hidden_size])
     declare_cache_outputs(g, cfg, io, cfg.num_layers)
     return g.model("base", "EAGLE-2 base model: tree step over an in-place KV cache")
@@ -289,9 +296,10 @@ def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n
 def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, np.ndarray], precision: str,
                 n_positions: int, store: WeightStore) -> onnx.ModelProto:
     """EAGLE-1/2 head. `state` holds the head tensors plus the base's embedding and lm_head.
-    Inputs: input_ids, position_ids [1,T]; features [1,T,H]; attention_bias; past_{key,value}_0; top_k [1].
-    Outputs: hidden_states [1,T,H] (fed to the next depth), topk_ids [1,T,k] int64,
-    topk_logprobs [1,T,k] fp32 (log-softmax and top-k inside, so only small tensors leave the device)."""
+    Inputs: input_ids, position_ids [1,T]; features [1,T,H]; attention_bias; logit_rows [R];
+    past_{key,value}_0; top_k [1]. Outputs: hidden_states [1,T,H] (fed to the next depth),
+    topk_ids [1,R,k] int64, topk_logprobs [1,R,k] fp32 (log-softmax and top-k inside, so only
+    small tensors leave the device)."""
     g = Graph(store)
     b = Builder(g, precision, state)
     io = b.p.onnx_io
@@ -304,16 +312,11 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, n
     h, x = b.add_norm(b.attention(head_cfg, "layers.0.", x, "0", step), x, "layers.0.post_attention_layernorm.weight",
                       head_cfg.rms_norm_eps)
     out = g.op("Add", [x, b.mlp(h, "layers.0.")])
-    logits = b.lm_head(out, lm_head_name(base_cfg))
-    if precision == "fp16":
-        logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
-    logp = g.op("LogSoftmax", [logits], axis=-1)
-    values, indices = g.op("TopK", [logp, "top_k"], 2, axis=-1)
+    logp = g.op("LogSoftmax", [b.lm_head(out, lm_head_name(base_cfg))], axis=-1)
+    g.op("TopK", [logp, "top_k"], ["topk_logprobs", "topk_ids"], axis=-1)
     g.op("Reshape", [out, g.const([1, -1, head_cfg.hidden_size])], ["hidden_states"])
-    g.op("Unsqueeze", [values, g.const([0])], ["topk_logprobs"])
-    g.op("Unsqueeze", [indices, g.const([0])], ["topk_ids"])
     g.output("hidden_states", io, [1, "T", head_cfg.hidden_size])
-    g.output("topk_ids", TensorProto.INT64, [1, "T", "k"])
-    g.output("topk_logprobs", TensorProto.FLOAT, [1, "T", "k"])
+    g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])
+    g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
     declare_cache_outputs(g, head_cfg, io, 1)
     return g.model("draft", "EAGLE-1/2 draft head: fc + one decoder layer + base lm_head, top-k inside")

@@ -110,7 +110,9 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
     features = []
     with torch.no_grad():
         for ids, pos, bias, start in steps:
-            out = base.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype)})
+            rows = np.arange(ids.shape[1])
+            out = base.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
+                            "logit_rows": rows})
             logits, hidden = base_ref(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(bias), cache, start)
             record("base.logits", out["logits"], logits)
             record("base.hidden_states", out["hidden_states"], hidden)
@@ -125,7 +127,8 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
             top_k = np.array([k], np.int64)
             for (ids, pos, bias, start), feats in zip(steps, features):
                 out = draft.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
-                                 "features": _cast(feats.numpy(), io_dtype), "top_k": top_k}, k=k)
+                                 "features": _cast(feats.numpy(), io_dtype), "top_k": top_k,
+                                 "logit_rows": np.arange(ids.shape[1])}, k=k)
                 h = head_ref(base_ref.model.embed_tokens(torch.from_numpy(ids)), feats, torch.from_numpy(pos),
                              torch.from_numpy(bias), dcache, start)
                 logp = torch.log_softmax(base_ref.lm_head(h).float(), -1)

@@ -77,13 +77,15 @@ class GraphSession:
         self.max_k = max_k
 
     @staticmethod
-    def _dims(shape, t, k):
-        return [t if d == "T" else k if d == "k" else d for d in shape]
+    def _dims(shape, t, k, r=None):
+        sizes = {"T": t, "R": t if r is None else r, "k": k}
+        return [sizes.get(d, d) for d in shape]
 
     def run(self, inputs: dict[str, np.ndarray], k: int = 1) -> dict[str, np.ndarray]:
         """Run one step. `inputs` are C-contiguous host arrays (views of the caller's buffers);
         the cache inputs are already bound. Returns views of the preallocated output buffers."""
         t = inputs["input_ids"].shape[1]
+        r = inputs["logit_rows"].shape[0]
         if t > self.max_tokens or k > self.max_k:
             raise ValueError(f"step of {t} tokens / top-{k} exceeds this session's limits "
                              f"({self.max_tokens} tokens, top-{self.max_k})")
@@ -92,7 +94,7 @@ class GraphSession:
             b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         views = {}
         for name, shape in self._out_shapes.items():
-            dims = self._dims(shape, t, k)
+            dims = self._dims(shape, t, k, r)
             buf = self.outputs[name][: int(np.prod(dims))].reshape(dims)
             b.bind_output(name, "cpu", 0, buf.dtype, dims, buf.ctypes.data)
             views[name] = buf

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): set up, then run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash ci/install.sh
+. .venv/bin/activate
+python -m pytest -q "$@"

@@ -1,0 +1,156 @@
+"""Public API: runtime.load(artifact) -> Generator with generate / stream / chat / hf_generate."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from export.artifact import read_manifest
+
+from .engine import Engine
+from .generation import Decoder, Settings
+from .session import check_provider
+from .tokenizer import ChatTokenizer, StreamDecoder
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str                 # "stop" (end-of-turn/eos token) or "length"
+    accept_lengths: list[int]          # tokens per verify cycle, bonus included (EAGLE's tau)
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+
+class Generator:
+    """One artifact loaded for generation. Calls are serialized: one generation at a time."""
+
+    def __init__(self, path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
+                 verify_checksums: bool = True):
+        if provider == "ipex":
+            raise ValueError("provider 'ipex' needs an IPEX artifact (python -m export --target ipex), "
+                             "which this build does not provide yet")
+        check_provider(provider)
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path, verify_checksums)
+        self.provider = provider
+        self.engine = Engine(self.path, self.manifest, provider, max_length, threads)
+        self.tokenizer = ChatTokenizer(self.path / self.manifest["tokenizer"])
+        self.stop_ids = set(self.manifest["stop_token_ids"])
+        self.tree_defaults = dict(self.manifest["tree_defaults"])
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    @property
+    def max_length(self) -> int:
+        return self.engine.max_length
+
+    def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
+                  sampling_top_k, seed) -> Settings:
+        d = self.tree_defaults
+        return Settings(max_new_tokens=max_new_tokens, speculative=speculative and self.engine.draft is not None
+                        if speculative is None else speculative,
+                        total_tokens=total_tokens or d["total_tokens"], depth=depth or d["depth"],
+                        top_k=top_k or d["top_k"], temperature=temperature, top_p=top_p,
+                        sampling_top_k=sampling_top_k, seed=seed)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        vocab = self.manifest["model"]["config"]["vocab_size"]
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _acquire(self):
+        if self._owner == threading.get_ident():
+            raise RuntimeError("this Generator is already running a generation in this thread "
+                               "(finish or close the open stream first)")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def _release(self):
+        self._owner = None
+        self._lock.release()
+
+    def _run(self, prompt, settings: Settings):
+        """Yield (new token ids, decoder) under the lock."""
+        ids = self._prompt_ids(prompt)
+        self._acquire()
+        try:
+            decoder = Decoder(self.engine, ids, settings, self.stop_ids)
+            for new in decoder.tokens():
+                yield new, decoder
+        finally:
+            self._release()
+
+    def _output(self, decoder: Decoder, token_ids: list[int]) -> GenerationOutput:
+        st = decoder.stats
+        t = dict(self.engine.timings)
+        t["host"] = max(st.total_s - sum(t.values()), 0.0)
+        t["total"] = st.total_s
+        t["first_token"] = st.first_token_s
+        decode_s = st.total_s - st.first_token_s
+        t["tokens_per_s"] = (len(token_ids) - 1) / decode_s if decode_s > 0 and len(token_ids) > 1 else 0.0
+        return GenerationOutput(text=self.tokenizer.decode(token_ids), token_ids=token_ids,
+                                finish_reason=decoder.finish_reason, accept_lengths=st.accept_lengths, timings=t)
+
+    def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
+                 total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
+                 seed: int | None = None) -> GenerationOutput:
+        """Generate from a prompt string or token ids. speculative=None uses the head when there is one.
+        total_tokens / depth / top_k shape the draft tree (None = the artifact's defaults);
+        temperature > 0 samples (with top_p and sampling_top_k), losslessly in both modes."""
+        settings = self._settings(max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
+                                  sampling_top_k, seed)
+        tokens, decoder = [], None
+        for new, decoder in self._run(prompt, settings):
+            tokens.extend(new)
+        return self._output(decoder, tokens)
+
+    def stream(self, prompt, **kwargs):
+        """Yield text deltas as tokens are accepted; the same keyword arguments as generate()."""
+        settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
+                                  kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
+                                  kwargs.pop("top_k", None), kwargs.pop("temperature", 0.0),
+                                  kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
+        if kwargs:
+            raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+        text = StreamDecoder(self.tokenizer)
+        for new, _ in self._run(prompt, settings):
+            delta = text.push(new)
+            if delta:
+                yield delta
+
+    def chat(self, messages: list[dict], stream: bool = False, **kwargs):
+        """Apply the chat template (with the assistant prompt) and generate the reply."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.stream(prompt, **kwargs) if stream else self.generate(prompt, **kwargs)
+
+    def hf_generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, speculative: bool | None = None):
+        """transformers-style: input_ids [1, n] (torch tensor, numpy or list) -> [1, n + new] of the same kind.
+        top_k here is transformers' sampling top-k, as in GenerationConfig."""
+        arr = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids, dtype=np.int64).reshape(1, -1)
+        out = self.generate(arr[0], max_new_tokens=max_new_tokens, speculative=speculative,
+                            temperature=temperature if do_sample else 0.0, top_p=top_p,
+                            sampling_top_k=top_k if do_sample else 0, seed=seed)
+        result = np.concatenate([arr, np.asarray(out.token_ids, np.int64)[None]], axis=1)
+        if hasattr(input_ids, "cpu"):
+            import torch
+            return torch.from_numpy(result)
+        return result
+
+
+def load(path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
+         verify_checksums: bool = True) -> Generator:
+    """Load an artifact directory made by `python -m export`."""
+    return Generator(path, provider, max_length, threads, verify_checksums)

@@ -1,0 +1,99 @@
+"""python -m runtime generate ARTIFACT --prompt "..." | python -m runtime chat ARTIFACT | python -m runtime bench ARTIFACT"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from export.artifact import ArtifactError
+
+from .generation import PromptTooLongError
+from .session import ProviderError
+
+
+def _common(p):
+    p.add_argument("artifact", help="artifact directory made by python -m export")
+    p.add_argument("--provider", default="cpu", help="cpu, cuda or openvino")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding (the baseline)")
+    p.add_argument("--total-tokens", type=int, help="tokens verified per cycle (default: the artifact's)")
+    p.add_argument("--depth", type=int, help="draft expansions per cycle")
+    p.add_argument("--top-k", type=int, help="draft branching per node")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stats", action="store_true", help="print tau, tokens/s and the time split")
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m runtime")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream a completion")
+    _common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
+    c = sub.add_parser("chat", help="interactive chat (empty line or Ctrl-D to quit)")
+    _common(c)
+    return p
+
+
+def _kwargs(a) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, speculative=False if a.no_speculative else None,
+                total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k, temperature=a.temperature,
+                top_p=a.top_p, sampling_top_k=a.sampling_top_k, seed=a.seed)
+
+
+def _print_stats(out, file=sys.stderr):
+    t = out.timings
+    print(f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, tau={out.mean_accept_length:.2f}, "
+          f"{t['tokens_per_s']:.1f} tok/s after the first token; time: prefill {t['prefill']*1e3:.0f} ms, "
+          f"draft {t['draft']*1e3:.0f} ms, verify {t['verify']*1e3:.0f} ms, host {t['host']*1e3:.0f} ms]", file=file)
+
+
+def _reply(gen, prompt_ids, kwargs, stats):
+    """Stream one reply to stdout and return its GenerationOutput."""
+    out = None
+    for delta in gen.stream(prompt_ids, **kwargs):
+        print(delta, end="", flush=True)
+    if stats:
+        out = gen.generate(prompt_ids, **kwargs)  # greedy is deterministic: same tokens, now with timings
+    print()
+    return out
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    import runtime
+    try:
+        gen = runtime.load(a.artifact, provider=a.provider)
+        kwargs = _kwargs(a)
+        if a.command == "generate":
+            if a.raw or gen.tokenizer.chat_template is None:
+                prompt = gen.tokenizer.encode(a.prompt)
+            else:
+                prompt = gen.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+            if a.stats:
+                out = gen.generate(prompt, **kwargs)
+                print(out.text)
+                _print_stats(out)
+            else:
+                _reply(gen, prompt, kwargs, False)
+            return 0
+        history = []
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                return 0
+            if not line:
+                return 0
+            history.append({"role": "user", "content": line})
+            prompt = gen.tokenizer.apply_chat_template(history)
+            out = gen.generate(prompt, **kwargs)
+            print(out.text)
+            if a.stats:
+                _print_stats(out)
+            history.append({"role": "assistant", "content": out.text})
+    except (ArtifactError, ProviderError, PromptTooLongError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,162 @@
+"""The decoding loop: EAGLE-2 (draft a tree, verify it in one base forward, accept, compact)
+and plain autoregressive decoding on the same graph and buffers, greedy or sampled.
+
+Bookkeeping: `context` = tokens in the base KV cache; the *root* is the newest token, produced
+by the last verification but not yet in the cache. Each cycle verifies [root + drafted nodes],
+commits root + accepted nodes to the cache and produces the accepted nodes + one bonus token
+(the next root): len(accepted) tokens, EAGLE's acceptance length tau.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eagle2 import DraftPool, accept_greedy, accept_sampling, process_logits, sample, tree_from_parents
+
+from .engine import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_new_tokens: int = 256
+    speculative: bool = True
+    total_tokens: int = 12
+    depth: int = 4
+    top_k: int = 4
+    temperature: float = 0.0
+    top_p: float = 1.0
+    sampling_top_k: int = 0
+    seed: int | None = None
+
+    def check(self, engine: Engine) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.speculative and engine.draft is None:
+            raise ValueError("this artifact has no draft head (exported with --no-head); use speculative=False")
+        limits = (("total_tokens", self.total_tokens, MAX_TREE_TOKENS), ("depth", self.depth, MAX_DEPTH),
+                  ("top_k", self.top_k, MAX_TOP_K))
+        for name, value, limit in limits:
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} must be in [1, {limit}], got {value}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class Stats:
+    accept_lengths: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+
+class Decoder:
+    """One generation over an Engine. Iterate `tokens()` for lists of new tokens."""
+
+    def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int]):
+        settings.check(engine)
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= engine.max_length:
+            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but max_length is {engine.max_length}: "
+                                     "it must leave room for at least one new token")
+        self.engine, self.prompt, self.s, self.stop_ids = engine, np.asarray(prompt, np.int64), settings, stop_ids
+        self.rng = np.random.default_rng(settings.seed)
+        self.pool = DraftPool(settings.top_k, settings.depth) if settings.speculative else None
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self.finish_reason: str | None = None
+        for key in engine.timings:
+            engine.timings[key] = 0.0
+
+    def _choose(self, logits: np.ndarray) -> int:
+        if self.s.temperature == 0:
+            return int(logits.argmax())
+        return sample(process_logits(logits, self.s.temperature, self.s.sampling_top_k, self.s.top_p), self.rng)
+
+    def _accept(self, tree, logits):
+        if self.s.temperature == 0:
+            return accept_greedy(tree, logits[: len(tree.tokens)].argmax(-1))
+        # Only the rows the walk visits are processed (top-p sorts the vocabulary).
+        return accept_sampling(tree, lambda node: process_logits(
+            logits[node], self.s.temperature, self.s.sampling_top_k, self.s.top_p), self.rng)
+
+    def _prefill(self) -> int:
+        e, n = self.engine, len(self.prompt)
+        for start in range(0, n, PREFILL_CHUNK):
+            logits = e.prefill(self.prompt[start:start + PREFILL_CHUNK], start)
+        return self._choose(logits)
+
+    def _draft_context(self, start: int, next_tokens: np.ndarray):
+        out = None
+        for i in range(0, len(next_tokens), PREFILL_CHUNK):
+            out = self.engine.draft_context(next_tokens[i:i + PREFILL_CHUNK], start + i, self.s.top_k)
+        return out
+
+    def _draft_tree(self, root: int, context: int, head, limit: int):
+        """EAGLE-2 expand + rerank. `head` = (hidden, ids, logp) of the root's draft row."""
+        hidden, ids, logp = head
+        pool, k = self.pool, self.s.top_k
+        pool.reset(root, ids[:k], logp[:k])
+        for step in range(self.s.depth):
+            hidden, ids, logp = self.engine.draft_expand(
+                pool.frontier_tokens(), hidden[pool.frontier_parent_rows()], pool.frontier_mask(), context, step, k)
+            pool.expand(ids[:, :k], logp[:, :k])
+        return pool.select(min(self.s.total_tokens, limit))
+
+    def tokens(self):
+        """Yield lists of newly produced tokens until a stop token, max_new_tokens or max_length."""
+        e, s = self.engine, self.s
+        root = self._prefill()
+        context = len(self.prompt)
+        self.stats.first_token_s = time.perf_counter() - self.stats.start
+        head = None
+        if s.speculative:
+            head = self._draft_context(0, np.append(self.prompt[1:], root))
+        emitted = [root]
+        while True:
+            emitted = self._emit(emitted)
+            if emitted:
+                yield emitted
+            if self.finish_reason:
+                break
+            # The sequence is context + 1 tokens long; a cycle can add as many as it verifies.
+            room = e.max_length - (context + 1)
+            if room <= 0:
+                self.finish_reason = "length"
+                break
+            if s.speculative and room > 1 and s.total_tokens > 1:
+                tree = self._draft_tree(root, context, head, room)
+            else:
+                tree = tree_from_parents([root], [-1])
+            accepted, bonus = self._accept(tree, e.verify(tree, context))
+            e.commit(accepted, context)
+            self.stats.accept_lengths.append(len(accepted))
+            new = tree.tokens[accepted[1:]].tolist() + [bonus]
+            if s.speculative:
+                head = self._draft_context(context, np.asarray(new, np.int64))
+            context += len(accepted)
+            root = bonus
+            emitted = new
+        self.stats.total_s = time.perf_counter() - self.stats.start
+
+    def _emit(self, tokens: list[int]) -> list[int]:
+        """Trim to max_new_tokens and the first stop token, setting finish_reason."""
+        out = []
+        for t in tokens:
+            out.append(t)
+            self.stats.new_tokens += 1
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if self.stats.new_tokens >= self.s.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        return out

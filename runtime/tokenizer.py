@@ -1,0 +1,68 @@
+"""Tokenizer and chat template of an artifact, with `tokenizers` and `jinja2` only.
+
+The runtime does not import transformers: it is heavy to import and its tokenizer classes change
+between releases, while tokenizer.json and a Jinja chat template are stable formats.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+def _raise(message):
+    raise jinja2.TemplateError(message)
+
+
+class ChatTokenizer:
+    def __init__(self, directory: Path):
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = self._token_text(config.get("bos_token"))
+        self.eos_token = self._token_text(config.get("eos_token"))
+        template_path = directory / "chat_template.jinja"
+        source = template_path.read_text() if template_path.exists() else config.get("chat_template")
+        self.chat_template = None
+        if source:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self.chat_template = env.from_string(source)
+
+    @staticmethod
+    def _token_text(value):
+        return value.get("content") if isinstance(value, dict) else value
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self.chat_template is None:
+            raise ValueError("this artifact's tokenizer has no chat template; use generate() with a plain prompt")
+        text = self.chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        # The template already spells out the special tokens, as transformers assumes too.
+        return self.encode(text, add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+            return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta
