@@ -125,8 +125,8 @@ class Generator:
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
         text = StreamDecoder(self.tokenizer)
-        for new, _ in self._run(prompt, settings):
-            delta = text.push(new)
+        for new, decoder in self._run(prompt, settings):
+            delta = text.push(new, final=decoder.finish_reason is not None)
             if delta:
                 yield delta
 

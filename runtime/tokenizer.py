@@ -59,10 +59,10 @@ class StreamDecoder:
         self.ids: list[int] = []
         self.emitted = 0
 
-    def push(self, ids) -> str:
+    def push(self, ids, final: bool = False) -> str:
         self.ids.extend(int(i) for i in ids)
         text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+        if text.endswith("\ufffd") and not final:  # a multi-byte character split across tokens
             return ""
         delta, self.emitted = text[self.emitted:], len(text)
         return delta

