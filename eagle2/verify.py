@@ -36,8 +36,10 @@ def accept_sampling(tree, target_probs, rng):
     """Lossless speculative sampling over the tree (multi-draft, point-mass drafts).
 
     target_probs [T, V]: base distribution after each node, already processed
-    by sampling.process_logits. rng: numpy Generator. target_probs is not
-    modified; only a copy of the current row is.
+    by sampling.process_logits; or a function node -> [V] that computes it,
+    so a caller with a large vocabulary processes only the rows the walk
+    visits (top-p sorts the vocabulary). rng: numpy Generator. target_probs
+    is not modified; only a copy of the current row is.
 
     At a node with distribution p, children x_1..x_m (distinct, the draft's
     deterministic top-k, so the draft "distribution" of each try is one-hot and
@@ -60,13 +62,17 @@ def accept_sampling(tree, target_probs, rng):
     (Renormalisation is implicit: acceptance compares u * remaining_mass with
     p(x), and sample() normalises, which avoids dividing by a mass near 0.)
     """
-    target_probs = np.asarray(target_probs)
-    if target_probs.ndim != 2 or target_probs.shape[0] != tree.tokens.shape[0]:
-        raise ValueError(f"target_probs must have shape [{tree.tokens.shape[0]}, V], got {target_probs.shape}")
+    if callable(target_probs):
+        row = target_probs
+    else:
+        target_probs = np.asarray(target_probs)
+        if target_probs.ndim != 2 or target_probs.shape[0] != tree.tokens.shape[0]:
+            raise ValueError(f"target_probs must have shape [{tree.tokens.shape[0]}, V], got {target_probs.shape}")
+        row = target_probs.__getitem__
     accepted = [0]
     while True:
         node = accepted[-1]
-        p = np.array(target_probs[node], dtype=np.float64)  # copy: rejected tokens get zeroed
+        p = np.array(row(node), dtype=np.float64)  # copy: rejected tokens get zeroed
         for child in tree.children(node):
             token = tree.tokens[child]
             if rng.random() * p.sum() < p[token]:

@@ -162,15 +162,21 @@ def length_batches(lengths: list[int] | np.ndarray, budget: int) -> list[list[in
 
 @torch.inference_mode()
 def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: str, batch_tokens: int,
-            shard_tokens: int, device, desc: str) -> dict:
-    """Base features of the examples (sorted by length, longest first), written shard by shard;
-    a rerun continues after the last complete shard."""
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i].ids))
+            shard_tokens: int, device, desc: str, deadline: float | None = None) -> dict:
+    """Base features of the examples, written shard by shard; a rerun continues after the last
+    complete shard. Examples go in their (random) data order, sorted by length only within pools
+    of 64, so stopping at the deadline keeps an unbiased sample."""
+    order = []
+    for k in range(0, len(examples), 64):
+        order += sorted(range(k, min(k + 64, len(examples))), key=lambda i: -len(examples[i].ids))
     shards, done = read_shards(cache_dir, prefix)
     todo = order[done:]
-    stats = {"tokens": 0, "seconds": 0.0}
+    stats = {"tokens": 0, "seconds": 0.0, "stopped_early": False}
     if todo:
-        batches = length_batches([len(examples[i].ids) for i in todo], batch_tokens)
+        batches = []
+        for k in range(0, len(todo), 64):
+            pool = todo[k:k + 64]
+            batches += [[k + j for j in b] for b in length_batches([len(examples[i].ids) for i in pool], batch_tokens)]
         total = sum(len(examples[i].ids) for i in todo)
         bar = tqdm(total=total, desc=desc, unit="tok", mininterval=10, dynamic_ncols=True)
         buf_ids, buf_mask, buf_feat, first, n_shard = [], [], [], done, len(shards)
@@ -193,12 +199,17 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
             n_tok = sum(len(e.ids) for e in items)
             bar.update(n_tok)
             stats["tokens"] += n_tok
-            if sum(len(x) for x in buf_ids) >= shard_tokens or batch is batches[-1]:
+            late = deadline is not None and time.time() > deadline
+            if sum(len(x) for x in buf_ids) >= shard_tokens or batch is batches[-1] or late:
                 save_shard(cache_dir / f"{prefix}-{n_shard:05d}.safetensors", buf_ids, buf_mask, buf_feat,
                            {"first": first, "count": len(buf_ids)})
                 first += len(buf_ids)
                 n_shard += 1
                 buf_ids, buf_mask, buf_feat = [], [], []
+            if late and batch is not batches[-1]:
+                stats["stopped_early"] = True
+                log(f"{desc}: time budget reached, keeping {first} of {len(examples)} sequences")
+                break
         bar.close()
         stats["seconds"] = time.time() - t0
     return stats
@@ -262,11 +273,14 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
 
 
 def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_dir: Path, prefix: str,
-                 batch: int, max_new: int, temperature: float, seed: int, device, desc: str) -> dict:
+                 batch: int, max_new: int, temperature: float, seed: int, device, desc: str,
+                 deadline: float | None = None) -> dict:
     """Regenerate replies to the prompts with the base; one shard per generation batch."""
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i][1]))
+    order = []  # data order, sorted by prompt length only within pools of 4 batches
+    for k in range(0, len(prompts), 4 * batch):
+        order += sorted(range(k, min(k + 4 * batch, len(prompts))), key=lambda i: -len(prompts[i][1]))
     shards, done = read_shards(cache_dir, prefix)
-    stats = {"generated": 0, "seconds": 0.0}
+    stats = {"generated": 0, "seconds": 0.0, "stopped_early": False}
     groups = [order[i:i + batch] for i in range(0, len(order), batch)]
     start = 0
     covered = 0
@@ -285,6 +299,10 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
         covered += len(group)
         stats["generated"] += int(sum(o[1].sum() for o in out))
         bar.update(len(group))
+        if deadline is not None and time.time() > deadline and g + 1 < len(groups):
+            stats["stopped_early"] = True
+            log(f"{desc}: time budget reached, keeping {covered} of {len(prompts)} replies")
+            break
     bar.close()
     stats["seconds"] = time.time() - t0
     return stats
@@ -316,7 +334,9 @@ class Batch:
 
 
 def head_losses(head: EagleHead, emb: torch.Tensor, lm: torch.Tensor, batch: Batch, noise: float,
-                generator: torch.Generator | None) -> dict:
+                generator: torch.Generator | None, ce_fraction: float = 1.0) -> dict:
+    """EAGLE's loss on one batch. With ce_fraction < 1 the cross-entropy term (whose full-vocabulary
+    lm_head dominates the cost on CPU) is estimated on a random subset of the trained positions."""
     b, t, _ = batch.hidden.shape
     device = batch.hidden.device
     feats_in = batch.hidden[:, :-1]
@@ -334,6 +354,9 @@ def head_losses(head: EagleHead, emb: torch.Tensor, lm: torch.Tensor, batch: Bat
         zero = out.sum() * 0
         return {"loss": zero, "vloss": zero.detach(), "ploss": zero.detach(), "acc": 0.0, "top5": 0.0, "n": 0}
     vloss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+    if ce_fraction < 1.0:
+        keep = torch.randperm(n, generator=generator, device=pred.device)[:max(1, round(n * ce_fraction))]
+        pred, target = pred[keep], target[keep]
     with torch.no_grad():
         target_logits = target @ lm.T
         target_p = torch.softmax(target_logits, -1)
@@ -381,11 +404,13 @@ def evaluate(head: EagleHead, emb, lm, data: dict | None, budget: int, device) -
             "top5": totals["top5"] / n, "positions": totals["n"]}
 
 
-def lr_at(step: int, total: int, warmup: int, peak: float, floor: float = 0.1) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+def lr_at(progress: float, warmup: float, peak: float, floor: float = 0.1) -> float:
+    """Linear warmup over the first `warmup` share of training, then cosine decay to floor*peak.
+    `progress` in [0, 1] is the larger of the step share and (with --time-budget) the time share."""
+    if progress < warmup:
+        return peak * max(progress / warmup, 0.01)
+    x = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * x)))
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -393,12 +418,13 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(ckpt_dir: Path, head, opt, step: int, fingerprint: str, history: list, keep: int = 2):
+def save_checkpoint(ckpt_dir: Path, head, opt, step: int, fingerprint: str, history: list,
+                    time_progress: float, keep: int = 2):
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / f"step-{step:07d}.pt"
     tmp = path.with_suffix(".tmp")
     torch.save({"head": head.state_dict(), "optim": opt.state_dict(), "step": step,
-                "fingerprint": fingerprint, "history": history}, tmp)
+                "fingerprint": fingerprint, "history": history, "time_progress": time_progress}, tmp)
     os.replace(tmp, path)
     for old in sorted(ckpt_dir.glob("step-*.pt"))[:-keep]:
         old.unlink()
@@ -437,7 +463,7 @@ def parse_args(argv=None):
     ap.add_argument("--min-assistant", type=int, default=16,
                     help="skip conversations with fewer assistant tokens than this after the cut")
     ap.add_argument("--dev-percent", type=float, default=2.0, help="held-out share of conversations, by id hash")
-    ap.add_argument("--dev-conversations", type=int, default=64, help="dev conversations to evaluate on")
+    ap.add_argument("--dev-conversations", type=int, default=32, help="dev conversations to evaluate on")
     ap.add_argument("--self-distill", type=int, default=0, metavar="N",
                     help="also regenerate the first reply of N training conversations with the base")
     ap.add_argument("--distill-new-tokens", type=int, default=128)
@@ -449,11 +475,19 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=float, default=0.05, help="warmup steps as a share of all steps")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=0.5)
+    ap.add_argument("--ce-fraction", type=float, default=1.0,
+                    help="share of trained positions the cross-entropy term is computed on (1 = all, as EAGLE; "
+                    "lower is cheaper on CPU: the full-vocabulary lm_head dominates the step)")
     ap.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
     ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training step")
     ap.add_argument("--extract-batch-tokens", type=int, default=4096)
     ap.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--time-budget", type=float, default=0, metavar="MINUTES",
+                    help="wall-clock budget of the whole command (0: none). Feature extraction stops at "
+                    "--feature-share of it (self-distillation, if any, gets the last 30%% of that share) and "
+                    "training's schedule is compressed to end before the budget does")
+    ap.add_argument("--feature-share", type=float, default=0.5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
@@ -541,22 +575,28 @@ def main(argv=None) -> dict:
                                          "max_tokens": args.max_tokens, "max_len": args.max_len}, indent=2))
 
     # ---- features
+    budget_end = t_start + 60 * args.time_budget if args.time_budget > 0 else None
+    reserve_s = 60 + 0.02 * 60 * args.time_budget  # final evaluation and saving
+    feature_end = extract_end = None
+    if budget_end is not None:
+        feature_end = t_start + 60 * args.time_budget * args.feature_share
+        extract_end = t_start + 60 * args.time_budget * args.feature_share * (0.7 if args.self_distill else 1.0)
     stats = {}
-    stats["extract_train"] = extract(base, train_ex, cache_dir, "train", args.extract_batch_tokens, 65536, device,
-                                     "features (train)")
-    stats["extract_dev"] = extract(base, dev_ex, cache_dir, "dev", args.extract_batch_tokens, 65536, device,
+    stats["extract_dev"] = extract(base, dev_ex, cache_dir, "dev", args.extract_batch_tokens, 16384, device,
                                    "features (dev)")
+    stats["extract_train"] = extract(base, train_ex, cache_dir, "train", args.extract_batch_tokens, 16384, device,
+                                     "features (train)", extract_end)
     for k in ("extract_train", "extract_dev"):
         if stats[k]["seconds"]:
             log(f"{k}: {stats[k]['tokens']} tokens in {stats[k]['seconds']:.0f} s "
                 f"({stats[k]['tokens'] / stats[k]['seconds']:.0f} tok/s)")
     if args.self_distill:
-        stats["distill_train"] = self_distill(base, distill_prompts, cache_dir, "distill-train", args.distill_batch,
-                                              args.distill_new_tokens, args.distill_temperature, args.seed, device,
-                                              "self-distill (train)")
         stats["distill_dev"] = self_distill(base, dev_prompts, cache_dir, "distill-dev", args.distill_batch,
                                             args.distill_new_tokens, args.distill_temperature, args.seed + 1,
                                             device, "self-distill (dev)")
+        stats["distill_train"] = self_distill(base, distill_prompts, cache_dir, "distill-train", args.distill_batch,
+                                              args.distill_new_tokens, args.distill_temperature, args.seed, device,
+                                              "self-distill (train)", feature_end)
         for k in ("distill_train", "distill_dev"):
             if stats[k]["seconds"]:
                 log(f"{k}: {stats[k]['generated']} tokens generated in {stats[k]['seconds']:.0f} s "
@@ -584,11 +624,10 @@ def main(argv=None) -> dict:
     for ep in range(n_epochs):
         bs = epoch_batches(train["lengths"], args.batch_tokens, args.seed * 1000 + ep)
         if ep + 1 > args.epochs:  # a fractional last epoch
-            bs = bs[:int(len(bs) * (args.epochs - ep))]
+            bs = bs[:max(1, int(len(bs) * (args.epochs - ep)))]
         plan += [(ep, b) for b in bs]
     total = len(plan)
-    warmup = max(1, int(args.warmup * total))
-    step, history = 0, []
+    step, history, p_time0 = 0, [], 0.0
     if args.resume:
         last = latest_checkpoint(ckpt_dir)
         if last is None:
@@ -599,35 +638,54 @@ def main(argv=None) -> dict:
                 raise SystemExit(f"--resume: {last} was trained on other data; use another --out")
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["optim"])
-            step, history = state["step"], state["history"]
+            step, history, p_time0 = state["step"], state["history"], float(state.get("time_progress", 0.0))
             log(f"resumed from {last.name} (step {step} of {total})")
     elif latest_checkpoint(ckpt_dir) is not None:
         log("starting over (pass --resume to continue from the checkpoints in --out)")
         for old in ckpt_dir.glob("step-*.pt"):
             old.unlink()
-    log(f"training: {len(train['lengths'])} sequences, {int(train['offsets'][-1])} tokens, {total} steps "
-        f"({args.epochs} epochs), lr {args.lr}, warmup {warmup}")
+    t_train = time.time()
+    train_budget = None
+    if budget_end is not None:
+        train_budget = max(60.0, budget_end - t_train - reserve_s)
+        log(f"time budget: {train_budget / 60:.1f} min for training; the schedule ends at the planned "
+            f"{total} steps or at the deadline, whichever comes first")
+
+    def progress(at_step: int) -> tuple[float, float]:
+        p_time = p_time0
+        if train_budget is not None:
+            p_time = p_time0 + (1 - p_time0) * (time.time() - t_train) / train_budget
+        return max(at_step / total, p_time), p_time
+
+    log(f"training: {len(train['lengths'])} sequences, {int(train['offsets'][-1])} tokens, up to {total} steps "
+        f"({args.epochs} epochs), lr {args.lr}, warmup {args.warmup:.0%}")
     if step == 0:
-        ev = evaluate(head, emb, lm, dev, args.extract_batch_tokens, device)
+        ev = evaluate(head, emb, lm, dev, args.batch_tokens, device)
         if ev:
             log(f"dev before training: acc {ev['acc']:.3f} vloss {ev['vloss']:.4f} ploss {ev['ploss']:.3f}")
     gen = torch.Generator(device=device)
     bar = tqdm(total=total, initial=step, desc="train", unit="step", mininterval=10, dynamic_ncols=True)
-    window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0, "tokens": 0}
-    t_train, tokens_done, epoch = time.time(), 0, plan[step][0] if step < total else n_epochs - 1
+    window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0}
+    tokens_done, epoch = 0, plan[min(step, total - 1)][0]
+    p_time = p_time0
     while step < total:
+        prog, p_time = progress(step)
+        if prog >= 1.0:
+            log(f"time budget reached at step {step} of {total}")
+            break
         ep, items = plan[step]
         if ep != epoch:
-            ev = evaluate(head, emb, lm, dev, args.extract_batch_tokens, device)
+            ev = evaluate(head, emb, lm, dev, args.batch_tokens, device)
             if ev:
                 log(f"epoch {epoch + 1} done: dev acc {ev['acc']:.3f} top5 {ev['top5']:.3f} vloss {ev['vloss']:.4f} "
                     f"ploss {ev['ploss']:.3f}")
                 history.append({"step": step, "epoch": epoch + 1, "dev": ev})
             epoch = ep
+        lr = lr_at(max(prog, (step + 1) / total), args.warmup, args.lr)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, warmup, args.lr)
+            g["lr"] = lr
         gen.manual_seed(args.seed * 1_000_003 + step)
-        r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen)
+        r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen, args.ce_fraction)
         opt.zero_grad(set_to_none=True)
         r["loss"].backward()
         if args.grad_clip > 0:
@@ -636,28 +694,30 @@ def main(argv=None) -> dict:
         step += 1
         tokens_done += sum(int(train["lengths"][i]) for i in items)
         for k in ("loss", "vloss", "ploss"):
-            window[k] += float(r[k]) * r["n"]
+            window[k] += float(r[k].detach()) * r["n"]
         window["acc"] += r["acc"] * r["n"]
         window["n"] += r["n"]
         bar.update(1)
         if step % args.log_every == 0 or step == total:
             n = max(window["n"], 1)
-            rec = {"step": step, "epoch": ep + 1, "lr": opt.param_groups[0]["lr"],
+            rec = {"step": step, "epoch": ep + 1, "lr": lr,
                    **{k: window[k] / n for k in ("loss", "vloss", "ploss", "acc")},
                    "tok_per_s": tokens_done / max(time.time() - t_train, 1e-9)}
             history.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", refresh=False)
             log(f"step {step}/{total} ep {ep + 1} loss {rec['loss']:.4f} (v {rec['vloss']:.4f} p {rec['ploss']:.3f}) "
-                f"acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['tok_per_s']:.0f} tok/s")
-            window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0, "tokens": 0}
+                f"acc {rec['acc']:.3f} lr {lr:.2e} {rec['tok_per_s']:.0f} tok/s")
+            window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0}
         if step % args.save_every == 0 or step == total:
-            save_checkpoint(ckpt_dir, head, opt, step, fingerprint, history)
+            save_checkpoint(ckpt_dir, head, opt, step, fingerprint, history, progress(step)[1])
     bar.close()
+    if step % args.save_every != 0 and step != total:
+        save_checkpoint(ckpt_dir, head, opt, step, fingerprint, history, 1.0)
     train_seconds = time.time() - t_train
 
     # ---- final evaluation and export
-    final = {"dev_sharegpt": evaluate(head, emb, lm, dev, args.extract_batch_tokens, device),
-             "dev_self_distill": evaluate(head, emb, lm, dev_distill, args.extract_batch_tokens, device)}
+    final = {"dev_sharegpt": evaluate(head, emb, lm, dev, args.batch_tokens, device),
+             "dev_self_distill": evaluate(head, emb, lm, dev_distill, args.batch_tokens, device)}
     for k, ev in final.items():
         if ev:
             log(f"final {k}: top-1 {ev['acc']:.4f} top-5 {ev['top5']:.4f} vloss {ev['vloss']:.4f} "

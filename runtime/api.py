@@ -54,8 +54,9 @@ class Generator:
     def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
                   sampling_top_k, seed) -> Settings:
         d = self.tree_defaults
-        return Settings(max_new_tokens=max_new_tokens, speculative=speculative and self.engine.draft is not None
-                        if speculative is None else speculative,
+        if speculative is None:
+            speculative = self.engine.draft is not None
+        return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
                         total_tokens=total_tokens or d["total_tokens"], depth=depth or d["depth"],
                         top_k=top_k or d["top_k"], temperature=temperature, top_p=top_p,
                         sampling_top_k=sampling_top_k, seed=seed)

