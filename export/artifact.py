@@ -37,22 +37,41 @@ def checksums(root: Path) -> dict[str, str]:
             if p.is_file() and p.name != MANIFEST}
 
 
+def check_output(final: Path, overwrite: bool = False) -> Path:
+    """Refuse an output that cannot or must not be written, before any work is done.
+
+    --force replaces only a previous artifact (or an empty directory), never other data.
+    """
+    final = Path(final).resolve()
+    if final.exists():
+        if not final.is_dir():
+            raise ArtifactError(f"{final} exists and is not a directory")
+        if not overwrite:
+            raise ArtifactError(f"{final} already exists (pass --force to replace it)")
+        if any(final.iterdir()) and not (final / MANIFEST).is_file():
+            raise ArtifactError(f"{final} is not an artifact directory; refusing to replace it with --force")
+    ancestor = final.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ArtifactError(f"cannot create {final}: {ancestor} is a file")
+    if not os.access(ancestor, os.W_OK):
+        raise ArtifactError(f"cannot create {final}: {ancestor} is not writable")
+    return final
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path, overwrite: bool = False):
     """Yield a temporary sibling of `final`; rename it into place only if the block succeeds.
 
     A failed or interrupted export (any exception, KeyboardInterrupt included) leaves nothing.
     """
-    final = final.resolve()
-    if final.exists() and not overwrite:
-        raise ArtifactError(f"{final} already exists (pass --force to replace it)")
+    final = check_output(final, overwrite)
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ArtifactError(f"cannot create output directory {parent}: {e.strerror}") from None
-    if not os.access(parent, os.W_OK):
-        raise ArtifactError(f"output directory {parent} is not writable")
     tmp = parent / f".{final.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

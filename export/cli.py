@@ -9,7 +9,7 @@ from models.config import UnsupportedModelError
 from models.registry import ALIASES
 from models.weights import WeightsError
 
-from .artifact import ArtifactError
+from .artifact import ArtifactError, check_output
 from .onnx_graph import PRECISIONS
 from .onnx_export import ExportError, export_onnx
 from .verify import ParityError
@@ -52,8 +52,7 @@ def main(argv=None) -> int:
         if args.precision not in PRECISIONS:
             raise ExportError(f"unsupported precision {args.precision!r}; choose one of {', '.join(PRECISIONS)}")
         out = args.out or default_out(args.model, args.precision)
-        if out.exists() and not args.force:
-            raise ArtifactError(f"{out} already exists (pass --force to replace it)")
+        check_output(out, args.force)  # before loading weights, which can take minutes
         from models.registry import load_checkpoint
         print(f"loading {args.model} ...", file=sys.stderr)
         ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)

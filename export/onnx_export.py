@@ -85,7 +85,8 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     if precision not in PRECISIONS:
         raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     cfg = ckpt.cfg
-    max_length = max_length or min(2048, cfg.max_position_embeddings)
+    if max_length is None:
+        max_length = min(2048, cfg.max_position_embeddings)
     if max_length < 16:
         raise ExportError(f"--max-length {max_length} is too small (at least 16)")
     n_positions = max_length + TREE_POSITION_MARGIN

@@ -75,6 +75,9 @@ class ModelConfig:
             if kind not in ("default", "linear", "llama3"):
                 raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads") if k not in hf]
+        if missing:
+            raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         attention_bias = bool(hf.get("attention_bias", False))

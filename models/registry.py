@@ -58,15 +58,16 @@ def download(repo_id: str) -> Path:
                            "pass a local directory or a .gguf file instead") from None
 
 
-def _local_or_hub(ref: str) -> Path:
+def _local_or_hub(ref: str, what: str = "model") -> Path:
     p = Path(ref).expanduser()
     if p.is_dir():
         return p
     if p.exists():
-        raise WeightsError(f"{ref} is a file but not a GGUF file; pass a model directory, a .gguf file or an alias")
+        raise WeightsError(f"{ref} is a file, not a {what} directory" +
+                           (" or a GGUF file; pass a model directory, a .gguf file or an alias" if what == "model" else ""))
     if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
-        raise WeightsError(f"unknown model {ref!r}: not an alias (see --list), a directory, a .gguf file or "
-                           "a hub id like org/name")
+        kinds = "an alias (see --list), a directory, a .gguf file or" if what == "model" else "a directory or"
+        raise WeightsError(f"unknown {what} {ref!r}: not {kinds} a hub id like org/name")
     return download(ref)
 
 
@@ -101,7 +102,7 @@ def _head_directory(model: str, head: str) -> Path:
             raise WeightsError(f"no head has been shipped for {model} yet: export it with --no-head, "
                                "or train one with python -m models.train_head")
         return path
-    return _local_or_hub(head)
+    return _local_or_hub(head, "head")
 
 
 def load_checkpoint(model: str, head: str | None = None, no_head: bool = False) -> Checkpoint:

@@ -5,6 +5,8 @@ so the whole pipeline, prompt text to text, runs on them in seconds.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .config import ModelConfig
@@ -57,9 +59,10 @@ def tiny_checkpoint(model_type: str, seed: int = 0) -> Checkpoint:
     g = torch.Generator().manual_seed(seed)
     base = CausalLM(cfg)
     randomize(base, g)
-    head = EagleHead(cfg)
+    head_cfg = dataclasses.replace(cfg, num_layers=1)
+    head = EagleHead(head_cfg)
     randomize(head, g)
     state = {k: v.detach().clone() for k, v in base.state_dict().items()}
     return Checkpoint(cfg=cfg, state=state, tokenizer=byte_tokenizer(), source=f"tiny-{model_type} (seed {seed})",
-                      head_cfg=cfg, head_state={k: v.detach().clone() for k, v in head.state_dict().items()},
+                      head_cfg=head_cfg, head_state={k: v.detach().clone() for k, v in head.state_dict().items()},
                       head_source=f"random (seed {seed})")

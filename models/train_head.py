@@ -172,6 +172,9 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
     shards, done = read_shards(cache_dir, prefix)
     todo = order[done:]
     stats = {"tokens": 0, "seconds": 0.0, "stopped_early": False}
+    if todo and deadline is not None and time.time() > deadline and done:
+        stats["stopped_early"] = True
+        return stats
     if todo:
         batches = []
         for k in range(0, len(todo), 64):
@@ -288,6 +291,9 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
         covered += len(groups[start])
         start += 1
     if start >= len(groups):
+        return stats
+    if deadline is not None and time.time() > deadline and done:
+        stats["stopped_early"] = True
         return stats
     bar = tqdm(total=len(order) - covered, desc=desc, unit="reply", mininterval=10, dynamic_ncols=True)
     t0 = time.time()
@@ -581,6 +587,9 @@ def main(argv=None) -> dict:
     if budget_end is not None:
         feature_end = t_start + 60 * args.time_budget * args.feature_share
         extract_end = t_start + 60 * args.time_budget * args.feature_share * (0.7 if args.self_distill else 1.0)
+    if args.resume and latest_checkpoint(ckpt_dir) is not None:
+        # Training has started on the features cached so far: keep its data as it is.
+        extract_end = feature_end = 0.0
     stats = {}
     stats["extract_dev"] = extract(base, dev_ex, cache_dir, "dev", args.extract_batch_tokens, 16384, device,
                                    "features (dev)")

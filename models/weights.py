@@ -32,11 +32,14 @@ class Checkpoint:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise WeightsError(f"missing {path.name} in {path.parent}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WeightsError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise WeightsError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value
 
 
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
@@ -55,7 +58,10 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = directory / index_name
         if index.exists():
-            shards = sorted(set(_read_json(index)["weight_map"].values()))
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise WeightsError(f"{index} has no weight_map")
+            shards = sorted(set(weight_map.values()))
             state = {}
             for shard in shards:
                 if not (directory / shard).exists():

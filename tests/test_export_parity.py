@@ -221,9 +221,6 @@ def test_hf_directory_export_matches_alias_export(tiny_hf_dir, tiny_head_dir, ti
     assert tok_got.encode("hello world") == tok_want.encode("hello world")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: models/tiny.py tiny_checkpoint() uses the 2-layer base config as "
-                   "head_cfg, so the manifest describes the 1-layer tiny head as num_layers=2",
-                   raises=AssertionError)
 def test_tiny_head_config_says_one_layer(tiny_artifact):
     """The manifest's head config describes the head: EAGLE-1/2 heads have one decoder layer."""
     manifest = read_manifest(tiny_artifact("tiny-llama", "fp32"))

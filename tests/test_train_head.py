@@ -100,3 +100,17 @@ def test_training_lowers_loss_writes_official_head_and_resumes(tmp_path):
     assert s2["stats"]["extract_train"]["tokens"] == 0 and s2["stats"]["distill_train"]["generated"] == 0
     assert s2["steps"] > s["steps"]
     assert [h for h in s2["history"] if "loss" in h][0]["step"] == 1  # history carried over
+
+
+def test_schedule_and_batches():
+    from models.train_head import epoch_batches, lr_at
+    assert lr_at(0.0, 0.05, 1e-3) > 0
+    assert lr_at(0.05, 0.05, 1e-3) == pytest.approx(1e-3)
+    assert lr_at(1.0, 0.05, 1e-3) == pytest.approx(1e-4)
+    lrs = [lr_at(p / 100, 0.05, 1e-3) for p in range(5, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    lengths = np.random.default_rng(0).integers(20, 500, 300)
+    batches = epoch_batches(lengths, 1024, 0)
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    assert all(len(b) * max(lengths[i] for i in b) <= 1024 or len(b) == 1 for b in batches)
+    assert epoch_batches(lengths, 1024, 0) == batches != epoch_batches(lengths, 1024, 1)
