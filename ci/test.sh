@@ -5,3 +5,4 @@ cd "$(dirname "$0")/.."
 bash ci/install.sh
 . .venv/bin/activate
 python -m pytest -q "$@"
+bash ci/test_openvino.sh

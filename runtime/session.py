@@ -139,13 +139,20 @@ def compaction_graph(n_caches: int, dtype) -> bytes:
 
 
 class CacheCompactor:
-    """Moves K/V rows `source` to [destination, destination + n) in every cache of a GraphSession."""
+    """Moves K/V rows `source` to [destination, destination + n) in every cache of a GraphSession.
 
-    def __init__(self, target: GraphSession, provider: str):
-        dtype = target.caches[0].numpy().dtype if target.device == "cpu" else NP_DTYPES[
-            next(i["dtype"] for i in target.spec["inputs"] if i["name"].startswith("past_"))]
+    Host-resident caches (CPU, and OpenVINO on CPU, whose onnxruntime build lacks TensorScatter)
+    are moved through numpy views of the bound buffers; device caches through compaction_graph.
+    """
+
+    def __init__(self, target: GraphSession, provider: str, use_graph: bool | None = None):
+        self.on_host = target.device == "cpu" if use_graph is None else not use_graph
+        if self.on_host:
+            self.arrays = [v.numpy() for v in target.caches]  # views: they share the OrtValues' memory
+            return
+        dtype = NP_DTYPES[next(i["dtype"] for i in target.spec["inputs"] if i["name"].startswith("past_"))]
         self.session = ort.InferenceSession(compaction_graph(len(target.caches), dtype), session_options(1),
-                                            providers=PROVIDERS[provider if provider != "openvino" else "cpu"])
+                                            providers=PROVIDERS[provider])
         self.binding = self.session.io_binding()
         for i, value in enumerate(target.caches):
             self.binding.bind_ortvalue_input(f"cache_{i}", value)
@@ -153,6 +160,10 @@ class CacheCompactor:
         self.destination = np.zeros(1, np.int64)
 
     def move(self, source: np.ndarray, destination: int) -> None:
+        if self.on_host:
+            for a in self.arrays:
+                a[:, :, destination:destination + len(source)] = a[:, :, source]
+            return
         self.destination[0] = destination
         b = self.binding
         b.bind_input("source", "cpu", 0, np.int64, source.shape, _address(source))
