@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .config import ModelConfig
 
@@ -63,7 +65,7 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
                 raise WeightsError(f"{index} has no weight_map")
             shards = sorted(set(weight_map.values()))
             state = {}
-            for shard in shards:
+            for shard in tqdm(shards, desc="loading weights", unit="shard", file=sys.stderr, disable=len(shards) < 2):
                 if not (directory / shard).exists():
                     raise WeightsError(f"missing weight shard {shard} listed in {index}")
                 state.update(_load_file(directory / shard))
