@@ -118,18 +118,21 @@ class Generator:
         return self._output(decoder, tokens)
 
     def stream(self, prompt, **kwargs):
-        """Yield text deltas as tokens are accepted; the same keyword arguments as generate()."""
+        """Yield text deltas as tokens are accepted; the same keyword arguments as generate().
+        When exhausted, the generator returns the GenerationOutput (StopIteration.value)."""
         settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
                                   kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
                                   kwargs.pop("top_k", None), kwargs.pop("temperature", 0.0),
                                   kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
-        text = StreamDecoder(self.tokenizer)
+        text, tokens, decoder = StreamDecoder(self.tokenizer), [], None
         for new, decoder in self._run(prompt, settings):
+            tokens.extend(new)
             delta = text.push(new, final=decoder.finish_reason is not None)
             if delta:
                 yield delta
+        return self._output(decoder, tokens)
 
     def chat(self, messages: list[dict], stream: bool = False, **kwargs):
         """Apply the chat template (with the assistant prompt) and generate the reply."""

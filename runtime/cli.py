@@ -50,15 +50,15 @@ def _print_stats(out, file=sys.stderr):
           f"draft {t['draft']*1e3:.0f} ms, verify {t['verify']*1e3:.0f} ms, host {t['host']*1e3:.0f} ms]", file=file)
 
 
-def _reply(gen, prompt_ids, kwargs, stats):
-    """Stream one reply to stdout and return its GenerationOutput."""
-    out = None
-    for delta in gen.stream(prompt_ids, **kwargs):
-        print(delta, end="", flush=True)
-    if stats:
-        out = gen.generate(prompt_ids, **kwargs)  # greedy is deterministic: same tokens, now with timings
-    print()
-    return out
+def _reply(gen, prompt_ids, kwargs):
+    """Stream one reply to stdout; return its GenerationOutput."""
+    stream = gen.stream(prompt_ids, **kwargs)
+    while True:
+        try:
+            print(next(stream), end="", flush=True)
+        except StopIteration as done:
+            print()
+            return done.value
 
 
 def main(argv=None) -> int:
@@ -72,12 +72,9 @@ def main(argv=None) -> int:
                 prompt = gen.tokenizer.encode(a.prompt)
             else:
                 prompt = gen.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+            out = _reply(gen, prompt, kwargs)
             if a.stats:
-                out = gen.generate(prompt, **kwargs)
-                print(out.text)
                 _print_stats(out)
-            else:
-                _reply(gen, prompt, kwargs, False)
             return 0
         history = []
         while True:
@@ -89,8 +86,7 @@ def main(argv=None) -> int:
                 return 0
             history.append({"role": "user", "content": line})
             prompt = gen.tokenizer.apply_chat_template(history)
-            out = gen.generate(prompt, **kwargs)
-            print(out.text)
+            out = _reply(gen, prompt, kwargs)
             if a.stats:
                 _print_stats(out)
             history.append({"role": "assistant", "content": out.text})

@@ -58,6 +58,11 @@ def test_stops_at_stop_token(gen):
 def test_stream_and_chat_match_generate(gen):
     out = gen.generate("hello there", max_new_tokens=30)
     assert "".join(gen.stream("hello there", max_new_tokens=30)) == out.text
+    stream = gen.stream("hello there", max_new_tokens=30)
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(stream)
+    assert done.value.value.token_ids == out.token_ids
     messages = [{"role": "user", "content": "hi"}]
     chat = gen.chat(messages, max_new_tokens=12)
     ids = gen.tokenizer.apply_chat_template(messages)
