@@ -26,6 +26,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="artifact directory (default: artifacts/<name>[-<precision>])")
     p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime)")
     p.add_argument("--precision", default="fp32", help="fp32 (CPU default), fp16 (CUDA), int8 (8-bit weights)")
+    p.add_argument("--draft-precision", help="precision of the draft graph (default: int8 for fp32/int8 "
+                   "bases, fp16 for fp16)")
     p.add_argument("--max-length", type=int, help="KV cache length / longest sequence (default 2048)")
     p.add_argument("--no-verify", action="store_true", help="skip the parity check against PyTorch")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
         print(f"loading {args.model} ...", file=sys.stderr)
         ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)
         manifest = export_onnx(ckpt, out, args.precision, args.max_length, verify=not args.no_verify,
-                               overwrite=args.force, log=lambda m: print(m, file=sys.stderr))
+                               overwrite=args.force, log=lambda m: print(m, file=sys.stderr),
+                               draft_precision=args.draft_precision)
     except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -60,6 +60,27 @@ def expected_specs(cfg: ModelConfig, head: bool) -> dict:
             for g, s in specs.items()}
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_default_int8_draft_of_an_fp32_base_quantizes_the_base_lm_head(tiny_artifact, name):
+    """The default CPU draft is 8-bit: it shares the fp32 embedding and holds the 8-bit
+    quantization of the base's own lm_head (declared as draft_precision in the manifest)."""
+    from export.onnx_graph import quantize_8bit
+    artifact = tiny_artifact(name, "fp32")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert (manifest["precision"], manifest["draft_precision"]) == ("fp32", "int8")
+    base, draft = initializers(artifact / "base.onnx"), initializers(artifact / "draft.onnx")
+    emb_b, emb_d = external(base["model.embed_tokens.weight"]), external(draft["model.embed_tokens.weight"])
+    assert (emb_b["offset"], emb_b["length"]) == (emb_d["offset"], emb_d["length"])
+    ckpt = load_checkpoint(name)
+    lm = "model.embed_tokens" if ckpt.cfg.tie_word_embeddings else "lm_head"
+    q = external(draft[f"{lm}.q8"])
+    with open(artifact / WEIGHTS_FILE, "rb") as f:
+        f.seek(int(q["offset"]))
+        stored = np.frombuffer(f.read(int(q["length"])), np.uint8)
+    weight = ckpt.state.get("lm_head.weight", ckpt.state["model.embed_tokens.weight"]).numpy()
+    np.testing.assert_array_equal(stored, quantize_8bit(weight)[0].ravel())
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("name", MODELS)
 def test_manifest_contents(tiny_artifact, name, precision):
@@ -292,7 +313,8 @@ def initializers(path: Path) -> dict[str, onnx.TensorProto]:
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("name", MODELS)
 def test_draft_shares_embedding_and_lm_head_bytes_with_base(tiny_artifact, name, precision):
-    artifact = tiny_artifact(name, precision)
+    """With the draft in the base's precision, both graphs read the very same bytes."""
+    artifact = tiny_artifact(name, precision, draft_precision=precision)
     base, draft = initializers(artifact / "base.onnx"), initializers(artifact / "draft.onnx")
     ckpt = load_checkpoint(name)
     lm = "model.embed_tokens" if ckpt.cfg.tie_word_embeddings else "lm_head"
