@@ -68,6 +68,7 @@ def atomic_directory(final: Path, overwrite: bool = False):
     """
     final = check_output(final, overwrite)
     parent = final.parent
+    created = [d for d in (parent, *parent.parents) if not d.exists()]
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -86,6 +87,9 @@ def atomic_directory(final: Path, overwrite: bool = False):
             tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # innermost first: leave no empty directories behind either
+            with contextlib.suppress(OSError):
+                d.rmdir()
         raise
 
 

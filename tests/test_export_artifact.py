@@ -366,3 +366,11 @@ def test_weight_store_refuses_two_different_tensors_under_one_name():
     store.tensor("w", np.zeros((2, 2), np.float32))  # the same tensor again: shared
     with pytest.raises(ValueError, match="two different tensors named 'w'"):
         store.tensor("w", np.ones((2, 2), np.float32))
+
+
+def test_failed_export_removes_the_directories_it_created(tmp_path):
+    from export.artifact import atomic_directory
+    with pytest.raises(RuntimeError):
+        with atomic_directory(tmp_path / "new" / "nested" / "out"):
+            raise RuntimeError("export failed midway")
+    assert list(tmp_path.iterdir()) == []

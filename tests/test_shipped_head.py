@@ -1,0 +1,29 @@
+"""The head shipped for the embedded default model: files match their recorded sha256 and load
+against the SmolLM2-135M base configuration."""
+import hashlib
+import json
+
+import pytest
+
+from models.config import ModelConfig
+from models.registry import SHIPPED_HEADS
+from models.weights import load_head
+
+HEAD = SHIPPED_HEADS / "smollm2-135m"
+pytestmark = pytest.mark.skipif(not HEAD.exists(), reason=f"no head shipped yet in {HEAD}")
+
+
+def test_files_match_recorded_sha256():
+    lines = (HEAD / "SHA256SUMS").read_text().split("\n")
+    recorded = dict(reversed(line.split()) for line in lines if line.strip())
+    assert {"config.json", "model.safetensors"} <= set(recorded)
+    for name, digest in recorded.items():
+        assert hashlib.sha256((HEAD / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_loads_with_the_smollm2_base(smollm2_artifact):
+    base = ModelConfig.from_dict(json.loads((smollm2_artifact / "manifest.json").read_text())["model"]["config"])
+    cfg, state = load_head(HEAD, base)
+    assert cfg.num_layers == 1 and cfg.hidden_size == base.hidden_size
+    assert "embed_tokens.weight" not in state
+    assert all(t.dtype.is_floating_point for t in state.values())
