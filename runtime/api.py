@@ -129,9 +129,12 @@ class Generator:
         text, tokens, decoder = StreamDecoder(self.tokenizer), [], None
         for new, decoder in self._run(prompt, settings):
             tokens.extend(new)
-            delta = text.push(new, final=decoder.finish_reason is not None)
+            delta = text.push(new)
             if delta:
                 yield delta
+        tail = text.push([], final=True)
+        if tail:
+            yield tail
         return self._output(decoder, tokens)
 
     def chat(self, messages: list[dict], stream: bool = False, **kwargs):

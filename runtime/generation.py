@@ -117,20 +117,13 @@ class Decoder:
         root = self._prefill()
         context = len(self.prompt)
         self.stats.first_token_s = time.perf_counter() - self.stats.start
-        head = None
-        if s.speculative:
-            head = self._draft_context(0, np.append(self.prompt[1:], root))
-        emitted = [root]
-        while True:
-            emitted = self._emit(emitted)
-            if emitted:
-                yield emitted
-            if self.finish_reason:
-                break
-            # The sequence is context + 1 tokens long; a cycle can add as many as it verifies.
+        yield from self._emit([root])
+        head = self._draft_context(0, np.append(self.prompt[1:], root)) if s.speculative else None
+        while not self.finish_reason:
+            # The sequence is context + 1 tokens long; a cycle adds at most as many as it verifies.
             room = e.max_length - (context + 1)
             if room <= 0:
-                self.finish_reason = "length"
+                self._finish("length")
                 break
             if s.speculative and room > 1 and s.total_tokens > 1:
                 tree = self._draft_tree(root, context, head, room)
@@ -140,23 +133,27 @@ class Decoder:
             e.commit(accepted, context)
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
-            if s.speculative:
+            yield from self._emit(new)
+            if s.speculative and not self.finish_reason:
                 head = self._draft_context(context, np.asarray(new, np.int64))
             context += len(accepted)
             root = bonus
-            emitted = new
-        self.stats.total_s = time.perf_counter() - self.stats.start
 
-    def _emit(self, tokens: list[int]) -> list[int]:
-        """Trim to max_new_tokens and the first stop token, setting finish_reason."""
+    def _emit(self, tokens: list[int]):
+        """Yield the tokens trimmed to max_new_tokens and the first stop token, setting finish_reason."""
         out = []
         for t in tokens:
             out.append(t)
             self.stats.new_tokens += 1
             if t in self.stop_ids:
-                self.finish_reason = "stop"
+                self._finish("stop")
                 break
             if self.stats.new_tokens >= self.s.max_new_tokens:
-                self.finish_reason = "length"
+                self._finish("length")
                 break
-        return out
+        yield out
+
+    def _finish(self, reason: str) -> None:
+        # Timed here, before the last tokens reach the caller, so a slow consumer is not counted.
+        self.finish_reason = reason
+        self.stats.total_s = time.perf_counter() - self.stats.start
