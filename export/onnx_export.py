@@ -16,12 +16,13 @@ from models.weights import Checkpoint
 from .artifact import atomic_directory, write_manifest
 from .onnx_graph import PRECISIONS, WeightStore, build_base, build_draft, lm_head_name
 
-# Verify sizes that pay on each kind of device (see README "Choosing the tree"): on a 2-core
-# CPU a 60-token verify costs 4.6x a decode step, so CPU precisions default to small trees;
+# Tree sizes by precision (README "Choosing the tree"): on a 2-core CPU every draft call and every
+# extra verified token costs a sizeable share of a decode step, so CPU precisions default to the
+# smallest tree measured (4/2/2 was the fastest of 4..60 tokens with the shipped SmolLM2 head);
 # fp16 targets CUDA, where EAGLE-2's own default is right.
 DEFAULT_TREE = {
-    "fp32": {"total_tokens": 12, "depth": 4, "top_k": 4},
-    "int8": {"total_tokens": 12, "depth": 4, "top_k": 4},
+    "fp32": {"total_tokens": 4, "depth": 2, "top_k": 2},
+    "int8": {"total_tokens": 4, "depth": 2, "top_k": 2},
     "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10},
 }
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.

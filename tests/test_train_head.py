@@ -114,3 +114,14 @@ def test_schedule_and_batches():
     assert sorted(i for b in batches for i in b) == list(range(300))
     assert all(len(b) * max(lengths[i] for i in b) <= 1024 or len(b) == 1 for b in batches)
     assert epoch_batches(lengths, 1024, 0) == batches != epoch_batches(lengths, 1024, 1)
+
+
+def test_time_budget_keeps_what_fits(tmp_path):
+    data = write_conversations(tmp_path / "convs.jsonl", n=40)
+    out = tmp_path / "head"
+    s = main(["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-tokens", "8000",
+              "--max-len", "160", "--extract-batch-tokens", "320", "--batch-tokens", "640", "--epochs", "1",
+              "--time-budget", "0.000001", "--threads", "1"])
+    assert s["stats"]["extract_train"]["stopped_early"]
+    assert 0 < s["train_sequences"]
+    load_head(out, tiny_checkpoint("llama").cfg)
