@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,7 @@ def plot(results: dict, path: str, title: str) -> None:
         ax.annotate(n, (s, results[n]["speedup"]), textcoords="offset points", xytext=(3, 5), fontsize=7)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("tree size (total_tokens)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
