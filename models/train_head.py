@@ -55,6 +55,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from export.artifact import sha256
+
 from .config import ModelConfig
 from .llama import CausalLM, EagleHead, KVCache, causal_bias
 from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
@@ -451,14 +453,6 @@ def save_head(out: Path, head: EagleHead) -> None:
     state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in head.state_dict().items()}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ CLI
