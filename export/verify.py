@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
 from models.llama import CausalLM, EagleHead, KVCache, causal_bias
 from runtime.session import GraphSession
@@ -57,26 +58,17 @@ def reference_models(cfg, state, head_cfg, head_state, precision, draft_precisio
 
 
 def random_tree(t: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(parents, depths) of a random tree of t nodes in topological order."""
     parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, t)])
-    depth = np.zeros(t, np.int64)
-    for i in range(1, t):
-        depth[i] = depth[parents[i]] + 1
-    return parents, depth
+    return parents, tree_from_parents(np.zeros(t, np.int64), parents).depths
 
 
 def tree_bias(parents: np.ndarray, start: int) -> np.ndarray:
+    """Additive mask [1, 1, t, start + t]: the context plus each node's ancestors and itself."""
     t = len(parents)
-    bias = np.zeros((1, 1, t, start + t), np.float32)
-    for i in range(t):
-        visible = set()
-        j = i
-        while j >= 0:
-            visible.add(j)
-            j = parents[j]
-        for j in range(t):
-            if j not in visible:
-                bias[0, 0, i, start + j] = np.finfo(np.float32).min
-    return bias
+    bias = np.empty((t, start + t), np.float32)
+    write_attention_bias(bias, tree_from_parents(np.zeros(t, np.int64), parents), start, np.finfo(np.float32).min)
+    return bias[None, None]
 
 
 def _cast(x: np.ndarray, spec_dtype: str) -> np.ndarray:

@@ -33,13 +33,13 @@ class Engine:
         self.base = GraphSession(str(root / graphs["base"]["file"]), graphs["base"], provider, self.max_length,
                                  steps, threads=threads)
         self.compactor = CacheCompactor(self.base, provider)
+        # The draft cache also holds the current round's tree: depth * top_k rows past the context.
+        total = self.max_length + MAX_DEPTH * MAX_TOP_K
         self.draft = None
         if "draft" in graphs:
-            # The draft cache also holds the current round's tree: depth * top_k rows past the context.
             self.draft = GraphSession(str(root / graphs["draft"]["file"]), graphs["draft"], provider,
-                                      self.max_length + MAX_DEPTH * MAX_TOP_K, steps, MAX_TOP_K, threads=threads)
+                                      total, steps, MAX_TOP_K, threads=threads)
         hidden = manifest["model"]["config"]["hidden_size"]
-        total = self.max_length + MAX_DEPTH * MAX_TOP_K
         self.ids = np.zeros(steps, np.int64)
         self.positions = np.zeros(steps, np.int64)
         self.rows = np.arange(steps, dtype=np.int64)

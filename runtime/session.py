@@ -63,11 +63,11 @@ class GraphSession:
         self.cache_length = cache_length
         self.max_tokens = max_tokens
         self.binding = self.session.io_binding()
-        self.cache_names = [i["name"] for i in spec["inputs"] if i["name"].startswith("past_")]
-        cache_dtype = NP_DTYPES[next(i["dtype"] for i in spec["inputs"] if i["name"].startswith("past_"))]
-        cache_shape = [1] + next(i["shape"] for i in spec["inputs"] if i["name"].startswith("past_"))[1:]
-        cache_shape[2] = cache_length
-        self.caches = [ort.OrtValue.ortvalue_from_shape_and_type(cache_shape, cache_dtype, self.device, 0)
+        past = [i for i in spec["inputs"] if i["name"].startswith("past_")]
+        self.cache_names = [i["name"] for i in past]
+        self.cache_dtype = NP_DTYPES[past[0]["dtype"]]
+        cache_shape = [1, past[0]["shape"][1], cache_length, past[0]["shape"][3]]
+        self.caches = [ort.OrtValue.ortvalue_from_shape_and_type(cache_shape, self.cache_dtype, self.device, 0)
                        for _ in self.cache_names]
         for name, value in zip(self.cache_names, self.caches):
             self.binding.bind_ortvalue_input(name, value)
@@ -150,9 +150,8 @@ class CacheCompactor:
         if self.on_host:
             self.arrays = [v.numpy() for v in target.caches]  # views: they share the OrtValues' memory
             return
-        dtype = NP_DTYPES[next(i["dtype"] for i in target.spec["inputs"] if i["name"].startswith("past_"))]
-        self.session = ort.InferenceSession(compaction_graph(len(target.caches), dtype), session_options(1),
-                                            providers=PROVIDERS[provider])
+        graph = compaction_graph(len(target.caches), target.cache_dtype)
+        self.session = ort.InferenceSession(graph, session_options(1), providers=PROVIDERS[provider])
         self.binding = self.session.io_binding()
         for i, value in enumerate(target.caches):
             self.binding.bind_ortvalue_input(f"cache_{i}", value)
