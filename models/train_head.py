@@ -640,7 +640,9 @@ def main(argv=None) -> dict:
             if stats[k]["seconds"]:
                 log(f"{k}: {stats[k]['generated']} tokens generated in {stats[k]['seconds']:.0f} s "
                     f"({stats[k]['generated'] / stats[k]['seconds']:.1f} tok/s)")
-    train = merge_splits(load_split(cache_dir, "train"), load_split(cache_dir, "distill-train"))
+    # Replies cached by an earlier run with --self-distill are not used by a run without it.
+    train = merge_splits(load_split(cache_dir, "train"),
+                         load_split(cache_dir, "distill-train") if args.self_distill else None)
     dev = load_split(cache_dir, "dev")
     dev_distill = load_split(cache_dir, "distill-dev")
     if train is None:

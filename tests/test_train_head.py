@@ -144,6 +144,9 @@ def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path):
     assert s2["train_sequences"] == s1["train_sequences"] + 8
     unchanged = [n for n, t in shards.items() if (out / "cache" / n).stat().st_mtime_ns == t]
     assert sorted(unchanged) == sorted(shards)
+    # Without --self-distill, cached replies stay out of the training data.
+    s3 = main(common + ["--max-tokens", "2000", "--epochs", "1"])
+    assert s3["train_sequences"] == s1["train_sequences"] - 8
 
     # --init starts from the given head: its first loss is near where the first run ended, not
     # where a fresh head starts.
