@@ -65,6 +65,7 @@ from .config import ModelConfig
 from .llama import CausalLM, EagleHead, KVCache, causal_bias
 from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
                          write_dev_prompts)
+from .weights import load_head
 
 CACHE_VERSION = 2
 
@@ -654,7 +655,6 @@ def main(argv=None) -> dict:
     # ---- training
     torch.manual_seed(args.seed)
     if args.init is not None:
-        from .weights import load_head
         hcfg, init_state = load_head(args.init, cfg)
         head = EagleHead(hcfg, n_positions)
         head.load_state_dict({k: v.float() for k, v in init_state.items()})
@@ -771,7 +771,6 @@ def main(argv=None) -> dict:
             log(f"final {k}: top-1 {ev['acc']:.4f} top-5 {ev['top5']:.4f} vloss {ev['vloss']:.4f} "
                 f"ploss {ev['ploss']:.4f} over {ev['positions']} positions")
     save_head(out, head)
-    from .weights import load_head
     load_head(out, cfg)  # the saved head must load as an official EAGLE head for this base
     train_logs = [h for h in history if "loss" in h]
     summary = {

@@ -1,10 +1,10 @@
 """The head shipped for the embedded default model: files match their recorded sha256 and load
 against the SmolLM2-135M base configuration."""
-import hashlib
 import json
 
 import pytest
 
+from export.artifact import sha256
 from models.config import ModelConfig
 from models.registry import SHIPPED_HEADS
 from models.weights import load_head
@@ -18,7 +18,7 @@ def test_files_match_recorded_sha256():
     recorded = dict(reversed(line.split()) for line in lines if line.strip())
     assert {"config.json", "model.safetensors"} <= set(recorded)
     for name, digest in recorded.items():
-        assert hashlib.sha256((HEAD / name).read_bytes()).hexdigest() == digest, name
+        assert sha256(HEAD / name) == digest, name
 
 
 def test_loads_with_the_smollm2_base(smollm2_artifact):
