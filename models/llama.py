@@ -156,7 +156,13 @@ class EagleHead(nn.Module):
         return self.layers[0](x, cos, sin, attention_bias, cache.k[0], cache.v[0], start)
 
 
+def additive_bias(allowed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The attention bias for a boolean mask of allowed (query, key) pairs, same shape: 0 where
+    allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def causal_bias(t: int, start: int = 0, dtype=torch.float32) -> torch.Tensor:
     """Additive mask [1, 1, t, start + t] for a plain causal step after `start` cached tokens."""
     allowed = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive_bias(allowed, dtype)[None, None]

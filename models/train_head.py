@@ -65,7 +65,7 @@ from tqdm import tqdm
 from export.artifact import sha256
 
 from .config import ModelConfig
-from .llama import CausalLM, EagleHead, KVCache, causal_bias
+from .llama import CausalLM, EagleHead, KVCache, additive_bias, causal_bias
 from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
                          write_dev_prompts)
 from .weights import load_head
@@ -261,7 +261,6 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
     of turn token included), mask 1 on the generated part, and the features of all of them."""
     cfg = base.cfg
     b, p = len(prompts), max(len(x) for x in prompts)
-    neg = torch.finfo(torch.float32).min
     ids = torch.zeros(b, p, dtype=torch.long)
     valid = torch.zeros(b, p + max_new, dtype=torch.bool)
     for r, x in enumerate(prompts):
@@ -271,7 +270,7 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
     pos = (valid[:, :p].long().cumsum(1) - 1).clamp(min=0)
     cache = new_cache(cfg, p + max_new, b, device)
     allowed = torch.ones(p, p, dtype=torch.bool, device=device).tril()[None] & valid[:, None, :p]
-    bias = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, neg)[:, None]
+    bias = additive_bias(allowed)[:, None]
     hidden = base_hidden(base, ids, pos, bias, cache, 0)
     prompt_feats = [hidden[r, p - len(x):].to(torch.float16).cpu().numpy() for r, x in enumerate(prompts)]
     eos = torch.tensor(list(cfg.eos_token_ids) or [-1], device=device)
@@ -290,7 +289,7 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
     for step in range(max_new):
         s = p + step
         valid[:, s] = True
-        bias = torch.zeros(b, 1, 1, s + 1, device=device).masked_fill(~valid[:, None, None, :s + 1], neg)
+        bias = additive_bias(valid[:, None, None, :s + 1])
         h = base_hidden(base, cur[:, None], nxt_pos[:, None], bias, cache, s)[:, 0]
         gen_tok.append(torch.where(active, cur, -1))
         gen_feat.append(h.to(torch.float16))
@@ -387,8 +386,7 @@ def unrolled_bias(n: int, step: int, device) -> torch.Tensor:
         key = p - step + i
         ok = key >= 0
         allowed[p[ok], (i - 1) * n + key[ok]] = True
-    neg = torch.finfo(torch.float32).min
-    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, neg)[None, None]
+    return additive_bias(allowed)[None, None]
 
 
 def unrolled_forward(head: EagleHead, tok: torch.Tensor, feats: torch.Tensor, unroll: int):
