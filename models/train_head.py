@@ -196,6 +196,10 @@ def length_batches(lengths: list[int] | np.ndarray, budget: int) -> list[list[in
 
 
 @torch.inference_mode()
+def past(deadline: float | None) -> bool:
+    return deadline is not None and time.time() > deadline
+
+
 def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: str, batch_tokens: int,
             shard_tokens: int, device, desc: str, deadline: float | None = None) -> dict:
     """Base features of the examples, written shard by shard; a rerun continues after the last
@@ -207,7 +211,7 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
     shards, done = read_shards(cache_dir, prefix, [examples[i].ids for i in order])
     todo = order[done:]
     stats = {"tokens": 0, "seconds": 0.0, "stopped_early": False}
-    if todo and deadline is not None and time.time() > deadline and done:
+    if todo and done and past(deadline):  # the budget is spent and earlier runs left data: use it
         stats["stopped_early"] = True
         return stats
     if todo:
@@ -237,7 +241,7 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
             n_tok = sum(len(e.ids) for e in items)
             bar.update(n_tok)
             stats["tokens"] += n_tok
-            late = deadline is not None and time.time() > deadline
+            late = past(deadline)
             if sum(len(x) for x in buf_ids) >= shard_tokens or batch is batches[-1] or late:
                 save_shard(cache_dir / f"{prefix}-{n_shard:05d}.safetensors", buf_ids, buf_mask, buf_feat,
                            {"first": first, "count": len(buf_ids), "digest": items_digest(buf_ids)})
@@ -326,7 +330,7 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
         start += 1
     if start >= len(groups):
         return stats
-    if deadline is not None and time.time() > deadline and done:
+    if done and past(deadline):
         stats["stopped_early"] = True
         return stats
     bar = tqdm(total=len(order) - covered, desc=desc, unit="reply", mininterval=10, dynamic_ncols=True)
@@ -340,7 +344,7 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
         covered += len(group)
         stats["generated"] += int(sum(o[1].sum() for o in out))
         bar.update(len(group))
-        if deadline is not None and time.time() > deadline and g + 1 < len(groups):
+        if past(deadline) and g + 1 < len(groups):
             stats["stopped_early"] = True
             log(f"{desc}: time budget reached, keeping {covered} of {len(prompts)} replies")
             break

@@ -87,10 +87,15 @@ def plot(results: dict, path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, [results[n]["speedup"] for n in names], "o-", label="speedup vs plain")
     ax.plot(sizes, [results[n]["tau"] for n in names], "s--", label="tau (tokens / cycle)")
-    for n, s in zip(names, sizes):
-        ax.annotate(n, (s, results[n]["speedup"]), textcoords="offset points", xytext=(3, 5), fontsize=7)
+    for i, (n, s) in enumerate(zip(names, sizes)):  # labels alternate above and below the line
+        ax.annotate(n, (s, results[n]["speedup"]), textcoords="offset points", xytext=(3, 6 if i % 2 else -12),
+                    fontsize=7)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("tree size (total_tokens)")
+    # Log scale: the small trees a CPU runs (4-12 tokens) would crowd together on a linear axis.
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("tree size (total_tokens, log scale)")
     ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=8)
     ax.legend()
     fig.tight_layout()
