@@ -852,7 +852,9 @@ def main(argv=None) -> dict:
         "base": ckpt.source, "data": args.data, "argv": sys.argv if argv is None else ["models.train_head", *argv],
         "train_sequences": int(len(train["lengths"])), "train_tokens": int(train["offsets"][-1]),
         "train_assistant_tokens": int(train["mask"].sum()), "dev_sequences": 0 if dev is None else len(dev["lengths"]),
-        "steps": total, "epochs": args.epochs, "seconds_total": time.time() - t_start,
+        # A time budget can stop training before the plan: record what was done.
+        "steps": step, "epochs": round(step * args.epochs / total, 2), "planned_steps": total,
+        "planned_epochs": args.epochs, "seconds_total": time.time() - t_start,
         "seconds_training_this_run": train_seconds,
         "train_tok_per_s_this_run": tokens_done / max(train_seconds, 1e-9) if tokens_done else None,
         "stats": stats, "first_log": train_logs[0] if train_logs else None,

@@ -83,6 +83,7 @@ def test_training_lowers_loss_writes_official_head_and_resumes(tmp_path):
     first, last = np.mean([h["loss"] for h in logs[:2]]), np.mean([h["loss"] for h in logs[-2:]])
     assert last < 0.9 * first, (first, last)
     assert s["final"]["dev_sharegpt"]["acc"] > 0.2
+    assert s["steps"] == s["planned_steps"] and s["epochs"] == 3
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is True
