@@ -195,11 +195,11 @@ def length_batches(lengths: list[int] | np.ndarray, budget: int) -> list[list[in
     return batches
 
 
-@torch.inference_mode()
 def past(deadline: float | None) -> bool:
     return deadline is not None and time.time() > deadline
 
 
+@torch.inference_mode()
 def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: str, batch_tokens: int,
             shard_tokens: int, device, desc: str, deadline: float | None = None) -> dict:
     """Base features of the examples, written shard by shard; a rerun continues after the last
