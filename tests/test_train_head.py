@@ -131,7 +131,10 @@ def test_time_budget_keeps_what_fits(tmp_path):
     load_head(out, tiny_checkpoint("llama").cfg)
 
 
-def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path):
+def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path, monkeypatch):
+    # Prompts are length-sorted within pools; the first run's 8 prompts fill one whole pool, so
+    # the second run's 16 keep them first.
+    monkeypatch.setattr("models.train_head.DISTILL_POOL", 8)
     data = write_conversations(tmp_path / "convs.jsonl", n=40)
     out = tmp_path / "head"
     common = ["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-len", "160",
@@ -140,9 +143,10 @@ def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path):
     s1 = main(common + ["--max-tokens", "2000", "--self-distill", "8", "--epochs", "2"])
     shards = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("*.safetensors")}
 
-    # More self-distilled replies: the cached features and replies are kept (the prompts of the
-    # first run come first, in whole pools of 4 batches); only the new replies are generated.
-    s2 = main(common + ["--max-tokens", "2000", "--self-distill", "16", "--epochs", "1", "--init", str(out)])
+    # More self-distilled replies, in batches of another size: the cached features and replies
+    # are kept (the first run's prompts come first); only the new replies are generated.
+    s2 = main(common + ["--max-tokens", "2000", "--self-distill", "16", "--distill-batch", "3", "--epochs", "1",
+                        "--init", str(out)])
     assert s2["stats"]["extract_train"]["tokens"] == s2["stats"]["extract_dev"]["tokens"] == 0
     assert 0 < s2["stats"]["distill_train"]["generated"]
     assert s2["train_sequences"] == s1["train_sequences"] + 8
