@@ -198,6 +198,15 @@ def length_batches(lengths: list[int] | np.ndarray, budget: int) -> list[list[in
     return batches
 
 
+def pooled_length_order(lengths: list[int], pool: int) -> list[int]:
+    """Indices in data order, sorted longest first only within consecutive pools of `pool`: batches
+    pad little, and stopping at a deadline still keeps an unbiased sample."""
+    order = []
+    for k in range(0, len(lengths), pool):
+        order += sorted(range(k, min(k + pool, len(lengths))), key=lambda i: -lengths[i])
+    return order
+
+
 def past(deadline: float | None) -> bool:
     return deadline is not None and time.time() > deadline
 
@@ -208,9 +217,7 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
     """Base features of the examples, written shard by shard; a rerun continues after the last
     complete shard. Examples go in their (random) data order, sorted by length only within pools
     of 64, so stopping at the deadline keeps an unbiased sample."""
-    order = []
-    for k in range(0, len(examples), 64):
-        order += sorted(range(k, min(k + 64, len(examples))), key=lambda i: -len(examples[i].ids))
+    order = pooled_length_order([len(e.ids) for e in examples], 64)
     shards, done = read_shards(cache_dir, prefix, [examples[i].ids for i in order])
     todo = order[done:]
     stats = {"tokens": 0, "seconds": 0.0, "stopped_early": False}
@@ -322,9 +329,7 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
     """Regenerate replies to the prompts with the base; one shard per generation batch. The data
     order does not depend on the batch size, so a run with another --distill-batch keeps the
     replies cached so far and continues after them."""
-    order = []  # sorted by prompt length within fixed pools, so a batch pads little
-    for k in range(0, len(prompts), DISTILL_POOL):
-        order += sorted(range(k, min(k + DISTILL_POOL, len(prompts))), key=lambda i: -len(prompts[i][1]))
+    order = pooled_length_order([len(p) for _, p in prompts], DISTILL_POOL)
     shards, covered = read_shards(cache_dir, prefix, [prompts[i][1] for i in order])
     stats = {"generated": 0, "seconds": 0.0, "stopped_early": False}
     groups = [order[i:i + batch] for i in range(covered, len(order), batch)]
