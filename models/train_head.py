@@ -71,8 +71,9 @@ from .train_data import (Conversation, Example, encode, prompt_ids, read_convers
 from .weights import load_head
 
 CACHE_VERSION = 2
-# Self-distillation prompts are sorted by length within pools of this many (4 batches of 24,
-# the batch the shipped head's replies were generated with).
+# Self-distillation prompts are sorted by length within pools of this many, whatever the batch.
+# 96 (4 batches of 24) is the order the first cached replies were generated in; another value
+# would reorder the prompts and invalidate every cached reply.
 DISTILL_POOL = 96
 
 
