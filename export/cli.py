@@ -7,11 +7,12 @@ from pathlib import Path
 
 from models.config import UnsupportedModelError
 from models.registry import ALIASES
+from models.train_data import DataError
 from models.weights import WeightsError
 
 from .artifact import ArtifactError, check_output
-from .onnx_graph import PRECISIONS
-from .onnx_export import ExportError, export_onnx
+from .onnx_graph import ATTENTIONS, PRECISIONS
+from .onnx_export import DEFAULT_DRAFT_VOCAB, ExportError, choose_draft_vocab, export_onnx
 from .verify import ParityError
 
 TARGETS = ("onnx",)
@@ -28,6 +29,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", help="fp32 (CPU default), fp16 (CUDA), int8 (8-bit weights)")
     p.add_argument("--draft-precision", help="precision of the draft graph (default: int8 for fp32/int8 "
                    "bases, fp16 for fp16)")
+    p.add_argument("--attention", choices=ATTENTIONS, help="exact: every verified tree node computed bitwise "
+                   "as plain decoding computes it (default on CPU precisions); fused: GroupQueryAttention "
+                   "(default for fp16/CUDA)")
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, metavar="N",
+                   help="the draft ranks only the N most frequent reply tokens (verification keeps the whole "
+                   f"vocabulary; 0 = all tokens; default {DEFAULT_DRAFT_VOCAB})")
     p.add_argument("--max-length", type=int, help="KV cache length / longest sequence (default 2048)")
     p.add_argument("--no-verify", action="store_true", help="skip the parity check against PyTorch")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
@@ -60,8 +67,9 @@ def main(argv=None) -> int:
         ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)
         manifest = export_onnx(ckpt, out, args.precision, args.max_length, verify=not args.no_verify,
                                overwrite=args.force, log=lambda m: print(m, file=sys.stderr),
-                               draft_precision=args.draft_precision)
-    except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError) as e:
+                               draft_precision=args.draft_precision, attention=args.attention,
+                               draft_vocab=choose_draft_vocab(ckpt, args.draft_vocab))
+    except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

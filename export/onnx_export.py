@@ -11,10 +11,11 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
+from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory, write_manifest
-from .onnx_graph import PRECISIONS, WeightStore, build_base, build_draft, lm_head_name
+from .onnx_graph import ATTENTIONS, EXACT_KEY_BLOCK, PRECISIONS, WeightStore, build_base, build_draft, lm_head_name
 
 # Tree sizes by precision (README "Choosing the tree"): on a 2-core CPU every draft call and every
 # extra verified token costs a sizeable share of a decode step, so CPU precisions default to the
@@ -88,10 +89,33 @@ def default_draft_precision(precision: str) -> str:
     return "fp16" if precision == "fp16" else "int8"
 
 
+# Draft vocabulary size by default (README "Choosing the draft vocabulary"): measured on SmolLM2.
+DEFAULT_DRAFT_VOCAB = 16384
+
+
+def choose_draft_vocab(ckpt: Checkpoint, size: int | None) -> DraftVocab | None:
+    """The reduced draft vocabulary of `size` tokens, or None (the whole vocabulary) when there is
+    no head, size is 0, or the vocabulary is not larger than `size`."""
+    if ckpt.head_cfg is None or not size or size >= ckpt.cfg.vocab_size:
+        return None
+    return draft_vocab(ckpt.tokenizer, ckpt.cfg.vocab_size, ckpt.head_dir, size, stop_token_ids(ckpt))
+
+
+def default_attention(precision: str) -> str:
+    """fp16 targets CUDA, where GroupQueryAttention's fused kernels matter most and the exact
+    attention's guarantee (measured on the CPU kernels) would not hold anyway."""
+    return "fused" if precision == "fp16" else "exact"
+
+
 def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length: int | None = None,
-                verify: bool = True, overwrite: bool = False, log=print, draft_precision: str | None = None) -> dict:
+                verify: bool = True, overwrite: bool = False, log=print, draft_precision: str | None = None,
+                attention: str | None = None, draft_vocab: DraftVocab | None = None) -> dict:
+    """`draft_vocab`: the head drafts from these tokens only (models/draft_vocab.py); None = all."""
     if precision not in PRECISIONS:
         raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    attention = attention or default_attention(precision)
+    if attention not in ATTENTIONS:
+        raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     draft_precision = draft_precision or default_draft_precision(precision)
     if draft_precision not in PRECISIONS:
         raise ExportError(f"unsupported draft precision {draft_precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -109,14 +133,15 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     with atomic_directory(out, overwrite) as tmp:
         store = WeightStore()
         with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
-            base = build_base(cfg, state, precision, n_positions, store, bar)
+            base = build_base(cfg, state, precision, n_positions, store, bar, attention)
         (tmp / "base.onnx").write_bytes(base.SerializeToString())
         graphs = {"base": graph_spec(base, "base.onnx")}
         if ckpt.head_cfg is not None:
             lm = lm_head_name(cfg)
             head_state = {k: v.float().numpy() for k, v in ckpt.head_state.items()}
             head_state.update({"model.embed_tokens.weight": state["model.embed_tokens.weight"], lm: state[lm]})
-            draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store)
+            draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
+                                None if draft_vocab is None else draft_vocab.ids)
             (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
             graphs["draft"] = graph_spec(draft, "draft.onnx")
         with tqdm(total=store.nbytes, desc="weights", unit="B", unit_scale=True, file=sys.stderr) as bar:
@@ -127,7 +152,12 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "head": None if ckpt.head_cfg is None else {"source": ckpt.head_source, "config": ckpt.head_cfg.to_dict()},
             "target": "onnx",
             "precision": precision,
+            "attention": attention,
+            # Largest run of cache positions a verify step may cover without straddling a block of
+            # the exact attention's key sums; null when the attention gives no such guarantee.
+            "exact_key_block": EXACT_KEY_BLOCK if attention == "exact" else None,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
+            "draft_vocab": None if ckpt.head_cfg is None or draft_vocab is None else draft_vocab.describe(),
             "io_dtype": "float16" if precision == "fp16" else "float32",
             "max_length": max_length,
             "rotary_positions": n_positions,
@@ -139,7 +169,8 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
         }
         if verify:
             from .verify import check_parity
-            diffs = check_parity(tmp, manifest, cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state)
+            diffs = check_parity(tmp, manifest, cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state,
+                                 draft_vocab=None if draft_vocab is None else draft_vocab.ids)
             manifest["parity"] = diffs
             log("parity vs PyTorch definition (max abs diff / max abs value): " +
                 ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))

@@ -6,9 +6,23 @@ SkipSimplifiedLayerNormalization, MatMulNBits), which no tracer emits, and EAGLE
 stock builders lack (explicit position ids, an additive tree bias) and the post-norm hidden states.
 
 KV cache design: one buffer per layer and per K/V, [1, kv_heads, max_length, head_dim], bound as
-both past_* input and present_* output. GroupQueryAttention detects the shared buffer and writes
-the T new tokens at [total - T, total) in place, where total is the attention bias width (cached
-tokens + T). Nothing outside the graph copies the cache on a step.
+both past_* input and present_* output. The graph writes the T new tokens at [total - T, total) in
+place, where total is the attention bias width (cached tokens + T). Nothing outside the graph copies
+the cache on a step.
+
+Two attention implementations:
+- "fused": GroupQueryAttention (fused RoPE, in-place cache). Fastest, but its arithmetic for a row
+  depends on where the row's keys sit: a one-token step takes another path than a multi-token one,
+  and a tree node whose ancestors are not contiguous sums its softmax in another order than the
+  same token decoded alone. Used by the draft (which only proposes) and by fp16 (CUDA) bases.
+- "exact": attention from plain ops whose result for a row is bitwise independent of the step
+  size and of masked keys between the row's own keys, so verifying a tree computes every node
+  exactly as plain decoding computes it (measured on ONNX Runtime's CPU kernels; tests check it).
+  The softmax denominator comes out of the same matmul as the numerator (V carries a column of
+  ones), because matmuls accumulate each output over the keys in order, and a masked key adds an
+  exact zero; a vectorised softmax sum would not. The one exception is the matmul's key blocking
+  (EXACT_KEY_BLOCK): keys in different blocks are summed in separate partial sums, so a verify
+  step must not straddle a block boundary (the runtime clips its trees there).
 """
 from __future__ import annotations
 
@@ -22,11 +36,20 @@ from onnx import TensorProto, helper, numpy_helper
 from models.config import ModelConfig
 from models.rope import cos_sin_tables
 
-OPSET = 21
+OPSET = 24  # TensorScatter (in-place cache writes of the exact attention)
 IR_VERSION = 10  # readable by the onnxruntime builds of the cuda and openvino extras
 WEIGHTS_FILE = "weights.bin"
 ALIGN = 4096
 PRECISIONS = ("fp32", "fp16", "int8")
+ATTENTIONS = ("exact", "fused")
+# MLAS's fp32 GEMM accumulates the inner dimension in blocks of this many (MLAS_SGEMM_STRIDEK):
+# a row's P @ V sums keys [0, 128), [128, 256), ... separately. tests/test_runtime_bitwise.py
+# fails if a tree straddling such a boundary stops differing from plain decoding or one inside
+# a block starts to, so a change in ONNX Runtime shows up there.
+EXACT_KEY_BLOCK = 128
+# Lowest exponent the exact attention's softmax evaluates (weights below e^-80 relative to the row's
+# largest are dropped to e^-80); see _exact_attention.
+EXP_FLOOR = -80.0
 INT8_BLOCK = 32
 # Level 4 = int8 activations x int8 weights (VNNI): 2x faster than fp32 decoding on this CPU;
 # level 0 (fp32 compute) decodes at 2 tok/s. Caveat, measured: onnxruntime 1.32 computes one-row
@@ -184,8 +207,13 @@ class Builder:
         return self.linear(x, prefix + "_".join(names), w, b)
 
     def attention(self, cfg: ModelConfig, prefix: str, x: str, layer: str, io: "StepInputs") -> str:
-        g = self.g
         qkv = self.proj(x, f"{prefix}self_attn.", ["q_proj", "k_proj", "v_proj"])
+        attn = (self._exact_attention if io.exact else self._fused_attention)(cfg, qkv, layer, io)
+        o_bias = self.state.get(f"{prefix}self_attn.o_proj.bias")
+        return self.linear(attn, f"{prefix}self_attn.o_proj", self.state[f"{prefix}self_attn.o_proj.weight"], o_bias)
+
+    def _fused_attention(self, cfg: ModelConfig, qkv: str, layer: str, io: "StepInputs") -> str:
+        g = self.g
         qkv3 = g.op("Reshape", [qkv, g.const([1, -1, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim])])
         attn, _, _ = g.op("GroupQueryAttention",
                     [qkv3, "", "", f"past_key_{layer}", f"past_value_{layer}", io.seqlens_k, io.total,
@@ -193,9 +221,54 @@ class Builder:
                     [f"attn_{layer}", f"present_key_{layer}", f"present_value_{layer}"],
                     domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
                     do_rotary=1, rotary_interleaved=0)
-        attn2 = g.op("Reshape", [attn, g.const([-1, cfg.num_heads * cfg.head_dim])])
-        o_bias = self.state.get(f"{prefix}self_attn.o_proj.bias")
-        return self.linear(attn2, f"{prefix}self_attn.o_proj", self.state[f"{prefix}self_attn.o_proj.weight"], o_bias)
+        return g.op("Reshape", [attn, g.const([-1, cfg.num_heads * cfg.head_dim])])
+
+    def _exact_attention(self, cfg: ModelConfig, qkv: str, layer: str, io: "StepInputs") -> str:
+        """softmax(q k^T / sqrt(d) + bias) v over the whole cache, each row computed independently of
+        the others (see the module docstring). Query head j reads kv head j // group, as in
+        GroupQueryAttention.
+
+        With MLAS's SGEMM (ONNX Runtime's MatMul) in mind: one matmul per kv head over all its query
+        rows, whose count never drops to one (a one-row product takes another kernel, so without
+        grouping each row is computed twice), and a value product of constant width (d + 1: the
+        key blocking of MLAS follows that width, and stays at EXACT_KEY_BLOCK for it)."""
+        g = self.g
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = heads // kv_heads
+        rows = max(group, 2)
+        q, k, v = g.op("Split", [qkv, g.const([heads * d, kv_heads * d, kv_heads * d])], 3, axis=-1)
+
+        def rotate(t: str, n: int) -> str:
+            t = g.op("Reshape", [t, g.const([1, -1, n * d])])
+            return g.op("RotaryEmbedding", [t, "position_ids", io.cos, io.sin], domain="com.microsoft",
+                        num_heads=n, interleaved=0)
+
+        def write(cache: str, new: str) -> str:
+            """new [1, T, kv_heads, width] into the cache at cache_position, in place; returns the whole
+            updated cache [1, kv_heads, capacity, width] (attention_bias masks what is not in use)."""
+            new = g.op("Transpose", [new], perm=[0, 2, 1, 3])
+            return g.op("TensorScatter", [f"past_{cache}_{layer}", new, "cache_position"],
+                        [f"present_{cache}_{layer}"], axis=2)
+
+        keys = write("key", g.op("Reshape", [rotate(k, kv_heads), g.const([1, -1, kv_heads, d])]))
+        v = g.op("Reshape", [v, g.const([1, -1, kv_heads, d])])
+        values = write("value", g.op("Pad", [v, g.const([0, 0, 0, 0, 0, 0, 0, 1]), g.const(1.0, self.p.io_dtype)]))
+        q = g.op("Reshape", [rotate(q, heads), g.const([-1, kv_heads, group * d])])
+        if rows > group:
+            q = g.op("Concat", [q] * (rows // group), axis=-1)
+        q = g.op("Reshape", [g.op("Transpose", [q], perm=[1, 0, 2]), g.const([1, kv_heads, -1, d])])
+        scores = g.op("FusedMatMul", [q, keys], domain="com.microsoft", transB=1, alpha=float(d ** -0.5))
+        scores = g.op("Add", [g.op("Reshape", [scores, io.scores_shape]), io.row_bias])  # [kv, T, rows, capacity]
+        # exp of the scores minus the row max, floored at EXP_FLOOR and zeroed where masked: an exact
+        # zero for masked keys, and ONNX Runtime's Exp runs 20x slower on inputs below about -87.
+        shifted = g.op("Sub", [scores, g.op("ReduceMax", [scores, g.const([-1])], keepdims=1)])
+        probs = g.op("Mul", [g.op("Exp", [g.op("Max", [shifted, g.const(EXP_FLOOR, self.p.io_dtype)])]), io.row_keep])
+        probs = g.op("Reshape", [probs, io.flat_shape])
+        weighted, total = g.op("Split", [g.op("MatMul", [probs, values]), g.const([d, 1])], 2, axis=-1)
+        out = g.op("Reshape", [g.op("Div", [weighted, total]), g.const([kv_heads, -1, rows * d])])
+        if rows > group:
+            out = g.op("Slice", [out, g.const([0]), g.const([group * d]), g.const([2])])
+        return g.op("Reshape", [g.op("Transpose", [out], perm=[1, 0, 2]), g.const([-1, heads * d])])
 
     def mlp(self, x: str, prefix: str) -> str:
         g = self.g
@@ -227,11 +300,26 @@ class StepInputs:
     total: str
     cos: str
     sin: str
+    exact: bool = False
+    # exact attention only
+    scores_shape: str = ""      # [kv_heads, T, query rows, capacity]
+    row_bias: str = ""          # attention_bias as [T, 1, capacity]
+    row_keep: str = ""          # 1 where attention_bias allows a key, else 0, [T, 1, capacity]
+    flat_shape: str = ""        # [1, kv_heads, T * query rows, capacity]
 
 
-def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n_positions: int) -> StepInputs:
-    """Inputs shared by both graphs; the attention bias width defines the total length, so the
-    runtime never passes sequence lengths separately (one source of truth)."""
+def cache_shape(cfg: ModelConfig, kind: str, attention: str) -> list:
+    """[1, kv_heads, max_length, head_dim]; the exact attention's value rows carry one more column,
+    ones (its softmax denominator, see _exact_attention)."""
+    return [1, cfg.num_kv_heads, "max_length", cfg.head_dim + (kind == "value" and attention == "exact")]
+
+
+def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n_positions: int,
+                        attention: str = "fused") -> StepInputs:
+    """Inputs shared by both graphs. With fused attention the attention bias width is the total
+    length (cached tokens + T), so the runtime passes no separate lengths. The exact attention
+    attends over the whole bound cache instead (the bias width is the cache's capacity, unused
+    positions masked) and writes the T new rows at the input cache_position."""
     io = b.p.onnx_io
     g.input("input_ids", TensorProto.INT64, [1, "T"])
     g.input("position_ids", TensorProto.INT64, [1, "T"])
@@ -241,7 +329,7 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
     g.input("logit_rows", TensorProto.INT64, ["R"])
     for i in range(n_layers):
         for kind in ("key", "value"):
-            g.input(f"past_{kind}_{i}", io, [1, cfg.num_kv_heads, "max_length", cfg.head_dim])
+            g.input(f"past_{kind}_{i}", io, cache_shape(cfg, kind, attention))
     total64 = g.op("Shape", ["attention_bias"], start=3, end=4)
     total32 = g.op("Cast", [total64], to=TensorProto.INT32)
     seqlens_k = g.op("Sub", [total32, g.const([1], np.int32)])
@@ -249,13 +337,23 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
     cos, sin = (t.astype(b.p.io_dtype) for t in cos_sin_tables(cfg, n_positions))
     # Named by content: base and head share the table when their RoPE agrees, and only then.
     tag = hashlib.sha1(cos.tobytes()).hexdigest()[:12]
-    return StepInputs(seqlens_k, total, g.weight(f"rotary.{tag}.cos", cos), g.weight(f"rotary.{tag}.sin", sin))
+    step = StepInputs(seqlens_k, total, g.weight(f"rotary.{tag}.cos", cos), g.weight(f"rotary.{tag}.sin", sin))
+    if attention == "exact":
+        g.input("cache_position", TensorProto.INT64, [1])
+        kv_heads, rows = cfg.num_kv_heads, max(cfg.num_heads // cfg.num_kv_heads, 2)
+        step.exact = True
+        step.scores_shape = g.op("Concat", [g.const([kv_heads, -1, rows]), total64], axis=0)
+        step.row_bias = g.op("Reshape", ["attention_bias", g.op("Concat", [g.const([-1, 1]), total64], axis=0)])
+        masked = np.finfo(b.p.io_dtype).min / 2
+        step.row_keep = g.op("Cast", [g.op("Greater", [step.row_bias, g.const(masked, b.p.io_dtype)])], to=io)
+        step.flat_shape = g.op("Concat", [g.const([1, kv_heads, -1]), total64], axis=0)
+    return step
 
 
-def declare_cache_outputs(g: Graph, cfg: ModelConfig, io: int, n_layers: int) -> None:
+def declare_cache_outputs(g: Graph, cfg: ModelConfig, io: int, n_layers: int, attention: str = "fused") -> None:
     for i in range(n_layers):
         for kind in ("key", "value"):
-            g.output(f"present_{kind}_{i}", io, [1, cfg.num_kv_heads, "max_length", cfg.head_dim])
+            g.output(f"present_{kind}_{i}", io, cache_shape(cfg, kind, attention))
 
 
 def embed(g: Graph, b: Builder, cfg: ModelConfig) -> str:
@@ -268,14 +366,14 @@ def lm_head_name(cfg: ModelConfig) -> str:
 
 
 def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n_positions: int,
-               store: WeightStore, progress=None) -> onnx.ModelProto:
+               store: WeightStore, progress=None, attention: str = "exact") -> onnx.ModelProto:
     """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
     past_{key,value}_i. Outputs: logits [1,R,V] (fp32), hidden_states [1,T,H] (post-final-norm),
     present_{key,value}_i."""
     g = Graph(store)
     b = Builder(g, precision, state)
     io = b.p.onnx_io
-    step = declare_step_inputs(g, b, cfg, cfg.num_layers, n_positions)
+    step = declare_step_inputs(g, b, cfg, cfg.num_layers, n_positions, attention)
     x = embed(g, b, cfg)
     h = g.op("SimplifiedLayerNormalization", [x, b.param("model.layers.0.input_layernorm.weight")],
              axis=-1, epsilon=cfg.rms_norm_eps)
@@ -291,17 +389,20 @@ def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n
     g.op("Reshape", [h, g.const([1, -1, cfg.hidden_size])], ["hidden_states"])
     g.output("logits", TensorProto.FLOAT, [1, "R", cfg.vocab_size])
     g.output("hidden_states", io, [1, "T", cfg.hidden_size])
-    declare_cache_outputs(g, cfg, io, cfg.num_layers)
+    declare_cache_outputs(g, cfg, io, cfg.num_layers, attention)
     return g.model("base", "EAGLE-2 base model: tree step over an in-place KV cache")
 
 
 def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, np.ndarray], precision: str,
-                n_positions: int, store: WeightStore) -> onnx.ModelProto:
+                n_positions: int, store: WeightStore, draft_vocab: np.ndarray | None = None) -> onnx.ModelProto:
     """EAGLE-1/2 head. `state` holds the head tensors plus the base's embedding and lm_head.
     Inputs: input_ids, position_ids [1,T]; features [1,T,H]; attention_bias; logit_rows [R];
     past_{key,value}_0; top_k [1]. Outputs: hidden_states [1,T,H] (fed to the next depth),
     topk_ids [1,R,k] int64, topk_logprobs [1,R,k] fp32 (log-softmax and top-k inside, so only
-    small tensors leave the device)."""
+    small tensors leave the device).
+
+    With `draft_vocab` (sorted base token ids, models/draft_vocab.py) the head scores only those
+    rows of the lm_head, a tensor of its own; top-k ids are mapped back to base ids in the graph."""
     g = Graph(store)
     b = Builder(g, precision, state)
     io = b.p.onnx_io
@@ -314,8 +415,16 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, n
     h, x = b.add_norm(b.attention(head_cfg, "layers.0.", x, "0", step), x, "layers.0.post_attention_layernorm.weight",
                       head_cfg.rms_norm_eps)
     out = g.op("Add", [x, b.mlp(h, "layers.0.")])
-    logp = g.op("LogSoftmax", [b.lm_head(out, lm_head_name(base_cfg))], axis=-1)
-    g.op("TopK", [logp, "top_k"], ["topk_logprobs", "topk_ids"], axis=-1)
+    lm = lm_head_name(base_cfg)
+    if draft_vocab is not None:
+        b.state = {**state, "draft_lm_head.weight": state[lm][draft_vocab]}
+        lm = "draft_lm_head.weight"
+    logp = g.op("LogSoftmax", [b.lm_head(out, lm)], axis=-1)
+    if draft_vocab is None:
+        g.op("TopK", [logp, "top_k"], ["topk_logprobs", "topk_ids"], axis=-1)
+    else:
+        _, local = g.op("TopK", [logp, "top_k"], ["topk_logprobs", "draft_topk_ids"], axis=-1)
+        g.op("Gather", [g.const(draft_vocab), local], ["topk_ids"])
     g.op("Reshape", [out, g.const([1, -1, head_cfg.hidden_size])], ["hidden_states"])
     g.output("hidden_states", io, [1, "T", head_cfg.hidden_size])
     g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])

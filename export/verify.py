@@ -76,8 +76,9 @@ def _cast(x: np.ndarray, spec_dtype: str) -> np.ndarray:
 
 
 def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, head_state,
-                 prefill: int = 12, tree: int = 8, seed: int = 0) -> dict[str, float]:
-    """Returns the relative max differences; raises ParityError above the precision's tolerance."""
+                 prefill: int = 12, tree: int = 8, seed: int = 0, draft_vocab: np.ndarray | None = None) -> dict[str, float]:
+    """Returns the relative max differences; raises ParityError above the precision's tolerance.
+    `draft_vocab`: the token ids the draft graph ranks (None = all)."""
     precision, draft_precision = manifest["precision"], manifest.get("draft_precision")
     n_pos = manifest["rotary_positions"]
     io_dtype = manifest["io_dtype"]
@@ -124,9 +125,12 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
                                  "logit_rows": np.arange(ids.shape[1])}, k=k)
                 h = head_ref(base_ref.model.embed_tokens(torch.from_numpy(ids)), feats, torch.from_numpy(pos),
                              torch.from_numpy(bias), dcache, start)
-                logp = torch.log_softmax(h.float() @ draft_lm.T, -1)
+                vocab = torch.arange(draft_lm.shape[0]) if draft_vocab is None else torch.from_numpy(draft_vocab)
+                logp = torch.log_softmax(h.float() @ draft_lm[vocab].T, -1)
                 record("draft.hidden_states", out["hidden_states"], h)
                 record("draft.topk_logprobs", out["topk_logprobs"], logp.topk(k, -1).values)
+                if not np.isin(out["topk_ids"], vocab.numpy()).all():
+                    raise ParityError("the draft graph proposed a token outside its draft vocabulary")
     tolerance = {n: TOLERANCE[draft_precision if n.startswith("draft.") else precision] for n in diffs}
     bad = [f"{n} {d:.3g} > {tolerance[n]}" for n, d in diffs.items() if d > tolerance[n]]
     if bad:

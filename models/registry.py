@@ -117,6 +117,7 @@ def load_checkpoint(model: str, head: str | None = None, no_head: bool = False) 
         if head != "tiny:random":  # the tiny checkpoints come with their random head
             ckpt.head_cfg, ckpt.head_state, ckpt.head_source = None, {}, None
         return ckpt
-    ckpt.head_cfg, ckpt.head_state = load_head(_head_directory(model, head), ckpt.cfg)
+    ckpt.head_dir = _head_directory(model, head)
+    ckpt.head_cfg, ckpt.head_state = load_head(ckpt.head_dir, ckpt.cfg)
     ckpt.head_source = head
     return ckpt

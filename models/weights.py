@@ -30,6 +30,7 @@ class Checkpoint:
     head_cfg: ModelConfig | None = None
     head_state: dict[str, torch.Tensor] = field(default_factory=dict)
     head_source: str | None = None
+    head_dir: Path | None = None  # the head's directory, for files shipped beside its weights
 
 
 def _read_json(path: Path) -> dict:

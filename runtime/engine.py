@@ -48,6 +48,9 @@ class Engine:
         self.features = np.zeros((self.max_length + 1, hidden), self.io_dtype)  # base hidden rows not yet drafted on
         self.top_k = np.zeros(1, np.int64)
         self.timings = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
+        # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py);
+        # with fused attention no placement is exact, so there is nothing to keep.
+        self.key_block = manifest.get("exact_key_block") or self.max_length + 1
 
     def _bias(self, t: int, context: int) -> np.ndarray:
         return self.bias[: t * (context + t)].reshape(t, context + t)
@@ -57,6 +60,10 @@ class Engine:
         bias[:, :context] = 0
         bias[:, context:] = self.causal[:t, :t]
         return bias
+
+    def start(self, prompt_length: int) -> None:
+        """A new generation: size growing caches for its prompt (a long earlier one may have grown them)."""
+        self.base.reserve(prompt_length + 1, shrink=True)
 
     def _inputs(self, t: int, bias: np.ndarray, logit_rows: np.ndarray) -> dict:
         return {"input_ids": self.ids[:t].reshape(1, t), "position_ids": self.positions[:t].reshape(1, t),

@@ -90,6 +90,7 @@ class Decoder:
 
     def _prefill(self) -> int:
         e, n = self.engine, len(self.prompt)
+        e.start(n)
         for start in range(0, n, PREFILL_CHUNK):
             logits = e.prefill(self.prompt[start:start + PREFILL_CHUNK], start)
         return self._choose(logits)
@@ -125,8 +126,9 @@ class Decoder:
             if room <= 0:
                 self._finish("length")
                 break
-            if s.speculative and room > 1 and s.total_tokens > 1:
-                tree = self._draft_tree(root, context, head, room)
+            limit = min(room, e.key_block - context % e.key_block)
+            if s.speculative and limit > 1 and s.total_tokens > 1:
+                tree = self._draft_tree(root, context, head, limit)
             else:
                 tree = tree_from_parents([root], [-1])
             accepted, bonus = self._accept(tree, e.verify(tree, context))

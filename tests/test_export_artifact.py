@@ -36,17 +36,21 @@ def leftovers(parent: Path) -> list[str]:
 # --- manifest contents -----------------------------------------------------------------------------
 
 def expected_specs(cfg: ModelConfig, head: bool) -> dict:
-    kv = [1, cfg.num_kv_heads, "max_length", cfg.head_dim]
     step = [("input_ids", "int64", [1, "T"]), ("position_ids", "int64", [1, "T"]),
             ("attention_bias", "float32", [1, 1, "T", "total"]), ("logit_rows", "int64", ["R"])]
 
-    def cache(prefix, n):
-        return [(f"{prefix}_{kind}_{i}", "float32", kv) for i in range(n) for kind in ("key", "value")]
+    def cache(prefix, n, ones_column=False):
+        """The exact attention's value cache carries one more column (ones: the softmax denominator)."""
+        width = {"key": cfg.head_dim, "value": cfg.head_dim + ones_column}
+        return [(f"{prefix}_{kind}_{i}", "float32", [1, cfg.num_kv_heads, "max_length", width[kind]])
+                for i in range(n) for kind in ("key", "value")]
 
-    specs = {"base": {"file": "base.onnx", "inputs": step + cache("past", cfg.num_layers),
+    # The exact attention attends over its whole cache and writes the new rows at cache_position.
+    specs = {"base": {"file": "base.onnx", "inputs": step + cache("past", cfg.num_layers, True)
+                      + [("cache_position", "int64", [1])],
                       "outputs": [("logits", "float32", [1, "R", cfg.vocab_size]),
                                   ("hidden_states", "float32", [1, "T", cfg.hidden_size])]
-                      + cache("present", cfg.num_layers)}}
+                      + cache("present", cfg.num_layers, True)}}
     if head:
         specs["draft"] = {"file": "draft.onnx",
                           "inputs": step + cache("past", 1) + [("features", "float32", [1, "T", cfg.hidden_size]),
@@ -92,6 +96,7 @@ def test_manifest_contents(tiny_artifact, name, precision):
     assert m["format_version"] == FORMAT_VERSION == 1
     assert m["target"] == "onnx"
     assert m["precision"] == precision
+    assert (m["attention"], m["exact_key_block"]) == ("exact", 128)
     assert m["io_dtype"] == "float32"
     # Architecture and sizes, exactly the checkpoint's config.
     assert ModelConfig.from_dict(m["model"]["config"]) == ckpt.cfg

@@ -62,7 +62,13 @@ def run_base_graph(artifact, steps: list[Step]):
         # The session returns views of buffers that the next step overwrites: copy.
         outs.append((out["logits"][0].copy(), out["hidden_states"][0].copy()))
     used = steps[-1].start + steps[-1].ids.shape[1]
-    caches = {name: arr[:, :, :used].copy() for name, arr in zip(session.cache_names, session.cache_arrays())}
+    head_dim = manifest["model"]["config"]["head_dim"]
+    caches = {}
+    for name, arr in zip(session.cache_names, session.cache_arrays()):
+        # The exact attention's value rows end in a column of ones (its softmax denominator).
+        if arr.shape[-1] > head_dim:
+            np.testing.assert_array_equal(arr[:, :, :used, head_dim:], 1.0, err_msg=name)
+        caches[name] = arr[:, :, :used, :head_dim].copy()
     return outs, caches
 
 

@@ -2,6 +2,7 @@
 against the SmolLM2-135M base configuration."""
 import json
 
+import numpy as np
 import pytest
 
 from export.artifact import sha256
@@ -16,9 +17,17 @@ pytestmark = pytest.mark.skipif(not HEAD.exists(), reason=f"no head shipped yet 
 def test_files_match_recorded_sha256():
     lines = (HEAD / "SHA256SUMS").read_text().split("\n")
     recorded = dict(reversed(line.split()) for line in lines if line.strip())
-    assert {"config.json", "model.safetensors"} <= set(recorded)
+    assert {"config.json", "model.safetensors", "token_counts.npy"} <= set(recorded)
     for name, digest in recorded.items():
         assert sha256(HEAD / name) == digest, name
+
+
+def test_token_counts_cover_the_vocabulary():
+    """Reply-token frequencies for the reduced draft vocabulary (models/draft_vocab.py)."""
+    counts = np.load(HEAD / "token_counts.npy", allow_pickle=False)
+    assert counts.shape == (49152,) and counts.dtype == np.int64 and counts.min() >= 0
+    assert counts.sum() > 10_000_000
+    assert counts[2] > 0  # <|im_end|>, the end of every reply
 
 
 def test_loads_with_the_smollm2_base(smollm2_artifact):

@@ -1,0 +1,133 @@
+"""Speculation is lossless only if verifying a tree computes every node exactly as plain decoding
+computes the same token: each row of a verify step must be bitwise equal to the one-token steps
+along that node's own path, whatever the step size, the tree shape and the masked keys between
+the node's ancestors. This holds for the exact attention (the default on CPU), fp32 and int8, as
+long as the step stays inside one block of the attention's key sums, which the runtime ensures."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+from eagle2 import tree_from_parents
+from export.onnx_export import export_onnx
+from models.llama import CausalLM, EagleHead
+from models.registry import load_checkpoint
+from models.tiny import randomize
+from models.weights import Checkpoint
+
+# Step sizes: plain decoding (1), the CPU trees, EAGLE-2's 60-token tree, and a whole key block.
+STEP_SIZES = (1, 2, 3, 4, 5, 8, 13, 16, 31, 60, 128)
+
+
+def mha_checkpoint() -> Checkpoint:
+    """tiny-llama with as many kv heads as query heads: the exact attention batches over tokens then."""
+    ckpt = load_checkpoint("tiny-llama")
+    cfg = dataclasses.replace(ckpt.cfg, num_kv_heads=ckpt.cfg.num_heads)
+    g = torch.Generator().manual_seed(3)
+    base, head = CausalLM(cfg), EagleHead(dataclasses.replace(cfg, num_layers=1))
+    randomize(base, g)
+    randomize(head, g)
+    return dataclasses.replace(ckpt, cfg=cfg, head_cfg=head.cfg, state=base.state_dict(),
+                               head_state=head.state_dict(), source="tiny-llama with 4 kv heads")
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "mha"])
+def checkpoint(request):
+    return mha_checkpoint() if request.param == "mha" else load_checkpoint(request.param)
+
+
+@pytest.fixture(scope="module", params=["fp32", "int8"])
+def generator(request, checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bitwise") / request.param
+    export_onnx(checkpoint, path, request.param, max_length=512, verify=False, log=lambda m: None)
+    return runtime.load(path)
+
+
+def prefill(engine, prompt):
+    for start in range(0, len(prompt), 128):
+        engine.prefill(prompt[start:start + 128], start)
+
+
+def path_to(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def decode_alone(engine, prompt, tokens):
+    """Plain decoding of `tokens` after the prompt: (logits, hidden state, cache rows) of the last."""
+    prefill(engine, prompt)
+    for i, token in enumerate(tokens):
+        logits = engine.verify(tree_from_parents([token], [-1]), len(prompt) + i)
+        engine.commit(np.array([0]), len(prompt) + i)
+    return logits[0].copy(), engine._last_hidden[0].copy()
+
+
+def random_tree(rng, size, vocab):
+    parents = np.array([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, size)])
+    return tree_from_parents(rng.integers(0, vocab, size), parents)
+
+
+@pytest.mark.parametrize("size", STEP_SIZES)
+def test_every_verified_row_equals_the_token_decoded_alone(generator, size):
+    engine = generator.engine
+    block = engine.key_block
+    vocab = generator.manifest["model"]["config"]["vocab_size"]
+    rng = np.random.default_rng(size)
+    # Contexts at the start, in the middle and at the very end of a key block, as far as the tree fits.
+    for context in sorted({block, block + (block - size) // 2, 2 * block - size}):
+        prompt = rng.integers(0, vocab, context)
+        tree = random_tree(rng, size, vocab)
+        prefill(engine, prompt)
+        logits = engine.verify(tree, context).copy()
+        hidden = engine._last_hidden.copy()
+        for node in rng.permutation(size)[:12]:
+            alone_logits, alone_hidden = decode_alone(engine, prompt, tree.tokens[path_to(tree.parents, node)])
+            np.testing.assert_array_equal(logits[node], alone_logits, err_msg=f"node {node} of {size}, context {context}")
+            np.testing.assert_array_equal(hidden[node], alone_hidden, err_msg=f"node {node} of {size}")
+
+
+def test_committed_tree_path_leaves_the_cache_plain_decoding_leaves(generator):
+    """After accepting a path, the cache rows are those plain decoding writes, bitwise."""
+    engine = generator.engine
+    vocab = generator.manifest["model"]["config"]["vocab_size"]
+    rng = np.random.default_rng(7)
+    context = 140
+    prompt = rng.integers(0, vocab, context)
+    tree = random_tree(rng, 24, vocab)
+    path = np.array(path_to(tree.parents, int(np.argmax(tree.depths))))
+    prefill(engine, prompt)
+    engine.verify(tree, context)
+    engine.commit(path, context)
+    caches = [a[:, :, context:context + len(path)].copy() for a in engine.base.cache_arrays()]
+    decode_alone(engine, prompt, tree.tokens[path])
+    for got, want in zip(caches, engine.base.cache_arrays()):
+        np.testing.assert_array_equal(got, want[:, :, context:context + len(path)])
+
+
+def test_trees_never_straddle_a_key_block(generator, monkeypatch):
+    """The decoder clips each tree to the room left in the current key block."""
+    engine = generator.engine
+    steps = []
+    verify = engine.verify
+    monkeypatch.setattr(engine, "verify", lambda tree, context: steps.append((context, len(tree.tokens))) or
+                        verify(tree, context))
+    prompt = list(range(3, 3 + engine.key_block - 5))
+    generator.generate(prompt, max_new_tokens=40, total_tokens=16, depth=4, top_k=4)
+    assert steps and all(c // engine.key_block == (c + t - 1) // engine.key_block for c, t in steps)
+    assert any(c + t == engine.key_block for c, t in steps), "no tree was clipped at the block's end"
+
+
+@pytest.mark.parametrize("tree", [(4, 2, 2), (8, 3, 3), (60, 5, 10)])
+def test_speculative_greedy_equals_plain_greedy(generator, tree):
+    vocab = generator.manifest["model"]["config"]["vocab_size"]
+    rng = np.random.default_rng(11)
+    for length in (3, 30, 120, 250):
+        prompt = rng.integers(0, vocab, length).tolist()
+        plain = generator.generate(prompt, max_new_tokens=60, speculative=False)
+        spec = generator.generate(prompt, max_new_tokens=60, total_tokens=tree[0], depth=tree[1], top_k=tree[2])
+        assert spec.token_ids == plain.token_ids, length
