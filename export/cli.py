@@ -12,6 +12,8 @@ from models.weights import WeightsError
 
 from .artifact import ArtifactError, check_output
 from .onnx_graph import ATTENTIONS, PRECISIONS
+from models.gguf_blocks import GGUFBlocksError
+
 from .onnx_export import DEFAULT_DRAFT_VOCAB, ExportError, choose_draft_vocab, export_onnx
 from .verify import ParityError
 
@@ -26,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-head", action="store_true", help="export the base graph alone")
     p.add_argument("--out", type=Path, help="artifact directory (default: artifacts/<name>[-<precision>])")
     p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime)")
-    p.add_argument("--precision", default="fp32", help="fp32 (CPU default), fp16 (CUDA), int8 (8-bit weights)")
+    p.add_argument("--precision", default="fp32", help="fp32, fp16 (CUDA), int8 (8-bit weights), gguf (a GGUF's "
+                   "own quantized weights as they are: Q4_0, Q4_1, Q8_0)")
     p.add_argument("--draft-precision", help="precision of the draft graph (default: int8 for fp32/int8 "
                    "bases, fp16 for fp16)")
     p.add_argument("--attention", choices=ATTENTIONS, help="exact: every verified tree node computed bitwise "
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
                                overwrite=args.force, log=lambda m: print(m, file=sys.stderr),
                                draft_precision=args.draft_precision, attention=args.attention,
                                draft_vocab=choose_draft_vocab(ckpt, args.draft_vocab))
-    except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError) as e:
+    except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError,
+            GGUFBlocksError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

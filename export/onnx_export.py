@@ -12,6 +12,7 @@ import onnx
 from tqdm import tqdm
 
 from models.draft_vocab import DraftVocab, draft_vocab
+from models.gguf_blocks import GGUFBlocksError, read_blocks
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory, write_manifest
@@ -24,8 +25,11 @@ from .onnx_graph import ATTENTIONS, EXACT_KEY_BLOCK, PRECISIONS, WeightStore, bu
 DEFAULT_TREE = {
     "fp32": {"total_tokens": 4, "depth": 2, "top_k": 2},
     "int8": {"total_tokens": 4, "depth": 2, "top_k": 2},
+    "gguf": {"total_tokens": 4, "depth": 2, "top_k": 2},
     "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10},
 }
+# The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
+DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
 TREE_POSITION_MARGIN = 64
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
@@ -117,8 +121,14 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     if attention not in ATTENTIONS:
         raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     draft_precision = draft_precision or default_draft_precision(precision)
-    if draft_precision not in PRECISIONS:
-        raise ExportError(f"unsupported draft precision {draft_precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if draft_precision not in DRAFT_PRECISIONS:
+        raise ExportError(f"unsupported draft precision {draft_precision!r}; choose one of {', '.join(DRAFT_PRECISIONS)}")
+    blocks = None
+    if precision == "gguf":
+        if ckpt.gguf_path is None:
+            raise ExportError("--precision gguf keeps a GGUF's own quantized weights: the model must be a .gguf "
+                              "file or an alias of one (use int8 or fp32 for other sources)")
+        blocks = read_blocks(ckpt.gguf_path, ckpt.cfg)
     if (draft_precision == "fp16") != (precision == "fp16"):
         raise ExportError("the draft graph takes the base's hidden states: fp16 pairs only with fp16 "
                           f"(got base {precision}, draft {draft_precision})")
@@ -133,7 +143,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     with atomic_directory(out, overwrite) as tmp:
         store = WeightStore()
         with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
-            base = build_base(cfg, state, precision, n_positions, store, bar, attention)
+            base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks)
         (tmp / "base.onnx").write_bytes(base.SerializeToString())
         graphs = {"base": graph_spec(base, "base.onnx")}
         if ckpt.head_cfg is not None:

@@ -34,13 +34,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from models.config import ModelConfig
+from models.gguf_blocks import Blocks
 from models.rope import cos_sin_tables
 
 OPSET = 24  # TensorScatter (in-place cache writes of the exact attention)
 IR_VERSION = 10  # readable by the onnxruntime builds of the cuda and openvino extras
 WEIGHTS_FILE = "weights.bin"
 ALIGN = 4096
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "gguf")
 ATTENTIONS = ("exact", "fused")
 # MLAS's fp32 GEMM accumulates the inner dimension in blocks of this many (MLAS_SGEMM_STRIDEK):
 # a row's P @ V sums keys [0, 128), [128, 256), ... separately. tests/test_runtime_bitwise.py
@@ -175,36 +176,56 @@ def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:
 
 
 class Builder:
-    """Emits the layers shared by the base and draft graphs for one precision."""
+    """Emits the layers shared by the base and draft graphs for one precision.
 
-    def __init__(self, g: Graph, precision: str, state: dict[str, np.ndarray]):
-        self.g, self.p, self.state = g, Precision(precision), state
+    `blocks` (precision gguf): the source GGUF's quantized weights by name (models/gguf_blocks.py);
+    linear layers found there keep their blocks, others stay fp32."""
+
+    def __init__(self, g: Graph, precision: str, state: dict[str, np.ndarray], blocks: dict | None = None):
+        self.g, self.p, self.state, self.blocks = g, Precision(precision), state, blocks or {}
 
     def param(self, name: str) -> str:
         return self.g.weight(name, self.state[name].astype(self.p.io_dtype))
 
-    def linear(self, x: str, name: str, weight: np.ndarray, bias: np.ndarray | None = None) -> str:
+    def linear(self, x: str, name: str, weight: np.ndarray, bias: np.ndarray | None = None,
+               blocks: Blocks | None = None) -> str:
         """x [T, K] @ weight[N, K]^T (+ bias). Weights stay in torch layout: Gemm transB=1, no copy."""
         g = self.g
-        if self.p.name == "int8":
-            q, scale = quantize_8bit(weight)
-            n, k = weight.shape
-            ins = [x, g.weight(f"{name}.q8", q), g.weight(f"{name}.scales", scale)]
-            if bias is not None:
-                ins += ["", "", g.weight(f"{name}.bias", bias.astype(np.float32))]
-            return g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=8,
-                        block_size=INT8_BLOCK, accuracy_level=INT8_ACCURACY_LEVEL)
+        blocks = blocks or self.blocks.get(f"{name}.weight")
+        if blocks is None and self.p.name == "int8":
+            blocks = Blocks(8, *quantize_8bit(weight), None)
+        if blocks is not None:
+            return self._block_linear(x, name, weight.shape[1], blocks, bias)
         ins = [x, g.weight(f"{name}.weight", weight.astype(self.p.io_dtype))]
         if bias is not None:
             ins.append(g.weight(f"{name}.bias", bias.astype(self.p.io_dtype)))
         return g.op("Gemm", ins, transB=1)
 
+    def _block_linear(self, x: str, name: str, k: int, blocks: Blocks, bias: np.ndarray | None) -> str:
+        """MatMulNBits over blocks of 32 (8-bit, or 4-bit plus a per-block constant: Q4_1)."""
+        g = self.g
+        n = blocks.shape[0]
+        ins = [x, g.weight(f"{name}.q{blocks.bits}", blocks.data), g.weight(f"{name}.scales", blocks.scales)]
+        if bias is not None:
+            ins += ["", "", g.weight(f"{name}.bias", bias.astype(np.float32))]
+        y = g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=blocks.bits, block_size=INT8_BLOCK,
+                 accuracy_level=INT8_ACCURACY_LEVEL)
+        if blocks.offsets is None:
+            return y
+        # sum_k x_k * offset[block(k)] = (per-block sums of x) @ offsets^T, a [T, K/32] x [K/32, N] product.
+        sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([-1, k // INT8_BLOCK, INT8_BLOCK])]), g.const([-1])],
+                    keepdims=0)
+        offsets = g.weight(f"{name}.offsets", np.ascontiguousarray(blocks.offsets.T))
+        return g.op("Add", [y, g.op("MatMul", [sums, offsets])])
+
     def proj(self, x: str, prefix: str, names: list[str]) -> str:
         """Several torch Linear layers sharing an input, fused into one matmul."""
-        w = np.concatenate([self.state[f"{prefix}{n}.weight"] for n in names])
+        keys = [f"{prefix}{n}.weight" for n in names]
+        w = np.concatenate([self.state[k] for k in keys])
         has_bias = f"{prefix}{names[0]}.bias" in self.state
         b = np.concatenate([self.state[f"{prefix}{n}.bias"] for n in names]) if has_bias else None
-        return self.linear(x, prefix + "_".join(names), w, b)
+        blocks = Blocks.concat([self.blocks[k] for k in keys]) if all(k in self.blocks for k in keys) else None
+        return self.linear(x, prefix + "_".join(names), w, b, blocks)
 
     def attention(self, cfg: ModelConfig, prefix: str, x: str, layer: str, io: "StepInputs") -> str:
         qkv = self.proj(x, f"{prefix}self_attn.", ["q_proj", "k_proj", "v_proj"])
@@ -366,12 +387,12 @@ def lm_head_name(cfg: ModelConfig) -> str:
 
 
 def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n_positions: int,
-               store: WeightStore, progress=None, attention: str = "exact") -> onnx.ModelProto:
+               store: WeightStore, progress=None, attention: str = "exact", blocks: dict | None = None) -> onnx.ModelProto:
     """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
-    past_{key,value}_i. Outputs: logits [1,R,V] (fp32), hidden_states [1,T,H] (post-final-norm),
-    present_{key,value}_i."""
+    past_{key,value}_i (and cache_position with exact attention). Outputs: logits [1,R,V] (fp32),
+    hidden_states [1,T,H] (post-final-norm), present_{key,value}_i. `blocks`: precision gguf."""
     g = Graph(store)
-    b = Builder(g, precision, state)
+    b = Builder(g, precision, state, blocks)
     io = b.p.onnx_io
     step = declare_step_inputs(g, b, cfg, cfg.num_layers, n_positions, attention)
     x = embed(g, b, cfg)

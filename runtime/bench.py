@@ -1,138 +1,249 @@
-"""Side-by-side benchmark: plain decoding vs EAGLE-2 at several tree sizes, in one run.
+"""Side-by-side benchmark: plain decoding and EAGLE-2 trees of one or more artifacts, and the plain
+decoders users would run instead (onnxruntime-genai, llama.cpp), in one run.
 
-    python -m runtime.bench ARTIFACT [--prompts FILE.jsonl] [--n 8] [--max-new-tokens 128]
-                                     [--trees 8/3/3,12/4/4,...] [--plot speedup.png] [--json out.json]
+    python -m runtime.bench ARTIFACT [ARTIFACT ...] [--provider cpu] [--prompts mtbench:2] [--max-new-tokens 128]
+                            [--trees tuned,4/2/2,...] [--peers genai,llamacpp] [--reference FP32_ARTIFACT]
+                            [--report bench.md] [--json bench.json] [--plot bench.png]
 
-Each prompt is decoded by every configuration back to back (plain first), so machine drift hits
-all configurations alike. Reported tokens/s count decode time after the first token (prefill
-excluded), the same definition for both modes; tau = tokens per verify cycle, bonus included.
+Each prompt is decoded by every configuration back to back, so machine drift hits all alike. Every
+configuration decodes exactly --max-new-tokens tokens (stop tokens ignored), greedily, from the same
+token ids. Tokens/s counts decode time after the first token. For each artifact, every tree's
+output is checked token-identical to its plain decoding. Bandwidth = weight bytes read per token
+(base, plus the draft's calls, per accepted token) x tokens/s: read every figure against the
+machine's memory bandwidth.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
-import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 from tqdm import tqdm
 
 import runtime
 
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a refrigerator works in simple terms.",
-    "Give me three tips for staying focused while studying.",
-    "Write a Python function that checks whether a number is prime.",
-    "What are the main differences between cats and dogs as pets?",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "How do I make a cup of green tea?",
-]
+from .peers import make_peers
+from .prompts import load_prompts
+from .tune import cpu_name
 
 
-def read_prompts(path: str | None, n: int) -> list[str]:
-    if path is None:
-        return DEFAULT_PROMPTS[:n]
-    prompts = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            prompts.append(rec.get("prompt") or rec.get("turns", [None])[0])
-    return prompts[:n]
+@dataclass
+class Config:
+    label: str
+    run: object                     # ids -> (token ids, seconds after the first token, output or None)
+    group: str                      # artifact label or "peers"
+    tree: tuple | None = None
+    weight_bytes: int = 0
+    draft_bytes: int = 0
+    totals: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0, "cycles": 0, "accepted": 0,
+                                                  "draft": 0.0, "verify": 0.0, "host": 0.0})
 
 
-def parse_trees(spec: str) -> list[tuple[int, int, int]]:
-    return [tuple(int(v) for v in item.split("/")) for item in spec.split(",") if item]
+def graph_weight_bytes(artifact: Path, graph: str) -> int:
+    """Bytes of the weights a graph reads in a step (its external initializers)."""
+    model = onnx.load(str(artifact / f"{graph}.onnx"), load_external_data=False)
+    return sum(int({e.key: e.value for e in t.external_data}["length"]) for t in model.graph.initializer
+               if t.data_location == onnx.TensorProto.EXTERNAL)
 
 
-def run(gen, prompts, trees, max_new_tokens, chat=True):
-    configs = [("plain", None)] + [(f"{t}/{d}/{k}", (t, d, k)) for t, d, k in trees]
-    results = {name: {"tokens": 0, "seconds": 0.0, "cycles": 0, "accepted": 0} for name, _ in configs}
-    for prompt in tqdm(prompts, desc="prompts", file=sys.stderr):
-        ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else \
-            gen.tokenizer.encode(prompt)
-        reference = None
-        for name, tree in configs:
-            if tree is None:
-                out = gen.generate(ids, max_new_tokens=max_new_tokens, speculative=False)
-                reference = out.token_ids
-            else:
-                out = gen.generate(ids, max_new_tokens=max_new_tokens, speculative=True,
-                                   total_tokens=tree[0], depth=tree[1], top_k=tree[2])
-                if out.token_ids != reference:
-                    raise AssertionError(f"{name}: speculative output differs from plain greedy on {prompt!r}")
-            r = results[name]
-            r["tokens"] += len(out.token_ids) - 1
-            r["seconds"] += out.timings["total"] - out.timings["first_token"]
-            r["cycles"] += len(out.accept_lengths)
-            r["accepted"] += sum(out.accept_lengths)
-            for key in ("draft", "verify"):
-                r[key] = r.get(key, 0.0) + out.timings[key]
-    plain = results["plain"]["tokens"] / results["plain"]["seconds"]
-    for name, r in results.items():
-        r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        r["speedup"] = r["tokens_per_s"] / plain
-        r["tau"] = r["accepted"] / r["cycles"] if r["cycles"] else 0.0
-    return results
+def parse_trees(spec: str, gen) -> list[tuple[int, int, int] | None]:
+    """'tuned' (or the artifact's default tree) and total/depth/top_k items."""
+    trees = []
+    for item in filter(None, spec.split(",")):
+        if item in ("tuned", "default"):
+            d = gen.tree_defaults
+            trees.append((d["total_tokens"], d["depth"], d["top_k"]) if gen.speculative_default else None)
+        else:
+            trees.append(tuple(int(v) for v in item.split("/")))
+    return list(dict.fromkeys(t for t in trees if t is not None))
 
 
-def plot(results: dict, path: str, title: str) -> None:
+def artifact_configs(path: str, provider: str, trees_spec: str, n: int) -> list[Config]:
+    gen = runtime.load(path, provider=provider)
+    gen.stop_ids.clear()  # exactly n tokens for every configuration
+    label = f"{Path(path).name} ({gen.manifest['precision']}, {provider})"
+    base_bytes = graph_weight_bytes(Path(path), "base")
+    draft_bytes = graph_weight_bytes(Path(path), "draft") if gen.engine.draft is not None else 0
+
+    def runner(tree):
+        def run(ids):
+            kwargs = {"speculative": False} if tree is None else \
+                {"total_tokens": tree[0], "depth": tree[1], "top_k": tree[2]}
+            out = gen.generate(ids, max_new_tokens=n, **kwargs)
+            return out.token_ids, out.timings["total"] - out.timings["first_token"], out
+        return run
+
+    trees = parse_trees(trees_spec, gen) if gen.engine.draft is not None else []
+    return [Config(f"{label} plain", runner(None), label, None, base_bytes)] + \
+        [Config(f"{label} EAGLE-2 {'/'.join(map(str, t))}", runner(t), label, t, base_bytes, draft_bytes) for t in trees]
+
+
+def peer_configs(names: list[str], model: str, n: int) -> list[Config]:
+    configs = []
+    for peer in make_peers(names, model):
+        def run(ids, peer=peer):
+            return None, peer.decode(ids, n), None
+        configs.append(Config(f"{peer.name} plain", run, "peers", None, peer.weight_bytes))
+    return configs
+
+
+def measure(configs: list[Config], prompts: list[list[int]], n: int) -> None:
+    for ids in tqdm(prompts, desc="prompts", file=sys.stderr):
+        reference = {}
+        for c in configs:
+            tokens, seconds, out = c.run(ids)
+            if tokens is not None:
+                if c.tree is None:
+                    reference[c.group] = tokens
+                elif tokens != reference[c.group]:
+                    raise AssertionError(f"{c.label}: output differs from plain decoding of the same artifact")
+            t = c.totals
+            t["tokens"] += n - 1
+            t["seconds"] += seconds
+            if out is not None and c.tree is not None:
+                t["cycles"] += len(out.accept_lengths)
+                t["accepted"] += sum(out.accept_lengths)
+                for key in ("draft", "verify", "host"):
+                    t[key] += out.timings[key]
+
+
+def summarize(configs: list[Config]) -> list[dict]:
+    rows = []
+    speed_of = {c.label: c.totals["tokens"] / c.totals["seconds"] for c in configs}
+    plain = {c.group: speed_of[c.label] for c in configs if c.tree is None and c.group != "peers"}
+    best_peer = max((speed_of[c.label] for c in configs if c.group == "peers"), default=None)
+    for c in configs:
+        t = c.totals
+        speed = speed_of[c.label]
+        tau = t["accepted"] / t["cycles"] if t["cycles"] else 1.0
+        cycles = max(t["cycles"], 1)
+        draft_calls = (c.tree[1] + 1) if c.tree else 0  # context + depth expansions per cycle
+        per_token = (c.weight_bytes + draft_calls * c.draft_bytes) / tau
+        rows.append({"config": c.label, "tokens_per_s": speed,
+                     "vs_plain": speed / plain[c.group] if c.group != "peers" else 1.0,
+                     "vs_best_peer": speed / best_peer if best_peer else None, "tau": tau,
+                     "draft_ms": 1e3 * t["draft"] / cycles if c.tree else 0.0,
+                     "verify_ms": 1e3 * t["verify"] / cycles if c.tree else 0.0,
+                     "host_ms": 1e3 * t["host"] / cycles if c.tree else 0.0,
+                     "weight_mb_per_token": per_token / 1e6, "gb_per_s": per_token * speed / 1e9,
+                     "tree": list(c.tree) if c.tree else None, "group": c.group})
+    return rows
+
+
+def agreement(path: str, reference: str, provider: str, prompts: list[list[int]], n: int) -> dict:
+    """Teacher-forced top-1 agreement and perplexity of `path` against `reference` (e.g. fp32) on the
+    reference's own greedy replies."""
+    from eagle2 import tree_from_parents
+    gens = [runtime.load(p, provider=provider) for p in (reference, path)]
+    agree, total, nll = 0, 0, np.zeros(2)
+    for ids in prompts:
+        text = ids + gens[0].generate(ids, max_new_tokens=n, speculative=False).token_ids
+        rows = []
+        for g in gens:
+            e = g.engine
+            e.start(len(text))
+            for start in range(0, len(ids), 128):
+                first = e.prefill(np.asarray(ids[start:start + 128], np.int64), start).copy()
+            r = [first]
+            for i in range(len(ids), len(text) - 1):
+                r.append(e.verify(tree_from_parents([text[i]], [-1]), i)[0].copy())
+                e.commit(np.array([0]), i)
+            rows.append(np.stack(r))
+        targets = np.asarray(text[len(ids):])
+        agree += int((rows[0].argmax(-1) == rows[1].argmax(-1)).sum())
+        total += len(targets)
+        for k, lg in enumerate(rows):
+            lg = lg - lg.max(-1, keepdims=True)
+            nll[k] -= float((lg[np.arange(len(targets)), targets] - np.log(np.exp(lg).sum(-1))).sum())
+    return {"top1_agreement": agree / total, "perplexity_reference": float(np.exp(nll[0] / total)),
+            "perplexity": float(np.exp(nll[1] / total)), "tokens": total}
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| configuration | tok/s | vs plain | vs best peer | tau | draft ms/cycle | verify ms/cycle "
+             "| host ms/cycle | weight MB/token | GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peer = f"{r['vs_best_peer']:.2f}x" if r["vs_best_peer"] else "-"
+        cyc = (f"{r['draft_ms']:.1f} | {r['verify_ms']:.1f} | {r['host_ms']:.1f}") if r["tree"] else "- | - | -"
+        lines.append(f"| {r['config']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | {peer} | {r['tau']:.2f} | "
+                     f"{cyc} | {r['weight_mb_per_token']:.0f} | {r['gb_per_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [n for n in results if n != "plain"]
-    sizes = [int(n.split("/")[0]) for n in names]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(sizes, [results[n]["speedup"] for n in names], "o-", label="speedup vs plain")
-    ax.plot(sizes, [results[n]["tau"] for n in names], "s--", label="tau (tokens / cycle)")
-    for i, (n, s) in enumerate(zip(names, sizes)):  # labels alternate above and below the line
-        ax.annotate(n, (s, results[n]["speedup"]), textcoords="offset points", xytext=(3, 6 if i % 2 else -12),
-                    fontsize=7)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    # Log scale: the small trees a CPU runs (4-12 tokens) would crowd together on a linear axis.
-    ax.set_xscale("log")
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.minorticks_off()
-    ax.set_xlabel("tree size (total_tokens, log scale)")
-    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=8)
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    groups = [g for g in dict.fromkeys(r["group"] for r in rows) if g != "peers"]
+    for g in groups:
+        pts = sorted(((r["tree"][0] if r["tree"] else 1), r["tokens_per_s"], r["config"]) for r in rows
+                     if r["group"] == g)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{g}: plain (1) and EAGLE-2 trees")
+        for x, y, name in pts:
+            if x > 1:
+                ax.annotate(name.rsplit(" ", 1)[-1], (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+    for r in rows:
+        if r["group"] == "peers":
+            ax.axhline(r["tokens_per_s"], ls="--", lw=1, color="gray")
+            ax.annotate(r["config"].removesuffix(" plain"), (1, r["tokens_per_s"]), textcoords="offset points",
+                        xytext=(2, 2), fontsize=7, color="dimgray")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens verified per step (1 = plain decoding)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.bench")
-    p.add_argument("artifact")
+    p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("artifacts", nargs="+")
     p.add_argument("--provider", default="cpu")
-    p.add_argument("--prompts", help="jsonl with a 'prompt' or 'turns' field per line")
-    p.add_argument("--n", type=int, default=8, help="number of prompts")
+    p.add_argument("--prompts", default="builtin", help="builtin, mtbench[:K per category], gsm8k[:N] or a .jsonl")
+    p.add_argument("--n", type=int, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--trees", default="4/2/2,8/3/3,12/4/4,16/5/4,24/5/6,40/5/8,60/5/10",
-                   help="total_tokens/depth/top_k,...")
-    p.add_argument("--raw", action="store_true", help="no chat template")
-    p.add_argument("--plot", help="write a speedup-vs-tree-size PNG here")
-    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--trees", default="tuned", help="'tuned' (the artifact's tuned or default tree) and/or "
+                   "total_tokens/depth/top_k items, comma-separated")
+    p.add_argument("--peers", default="", help="genai,llamacpp (bash ci/install_peers.sh)")
+    p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode")
+    p.add_argument("--reference", help="also report top-1 agreement and perplexity against this artifact (e.g. fp32)")
+    p.add_argument("--report", help="write the Markdown table here")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--plot", help="write tokens/s against tree size, peers as lines, here")
     a = p.parse_args(argv)
-    gen = runtime.load(a.artifact, provider=a.provider)
-    if gen.engine.draft is None:
-        p.error("the artifact has no draft head")
-    prompts = read_prompts(a.prompts, a.n)
-    results = run(gen, prompts, parse_trees(a.trees), a.max_new_tokens, chat=not a.raw)
-    m = gen.manifest
-    title = f"{m['model']['source']} {m['precision']} on {a.provider}, {len(prompts)} prompts x {a.max_new_tokens} tokens"
-    print(title)
-    print(f"{'config':>10} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'draft ms/cyc':>13} {'verify ms/cyc':>14}")
-    for name, r in results.items():
-        cyc = max(r["cycles"], 1)
-        print(f"{name:>10} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f} {r['tau']:6.2f} "
-              f"{1e3 * r['draft'] / cyc:13.1f} {1e3 * r['verify'] / cyc:14.1f}")
-    if a.plot:
-        plot(results, a.plot, title)
-        print(f"plot: {a.plot}")
+    prompts = load_prompts(a.prompts)[: a.n]
+    configs = [c for path in a.artifacts for c in artifact_configs(path, a.provider, a.trees, a.max_new_tokens)]
+    configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens) if a.peers else []
+    tokenizer = runtime.load(a.artifacts[0], provider=a.provider).tokenizer
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q.text}]) for q in prompts]
+    measure(configs, ids, a.max_new_tokens)
+    rows = summarize(configs)
+    header = (f"{len(prompts)} prompts ({a.prompts}) x {a.max_new_tokens} new tokens, greedy; {cpu_name()}, "
+              f"{platform.machine()}; python -m runtime.bench {' '.join(argv if argv is not None else sys.argv[1:])}")
+    report = markdown(rows, header)
+    quality = None
+    if a.reference:
+        quality = {path: agreement(path, a.reference, a.provider, ids, a.max_new_tokens) for path in a.artifacts}
+        report += "\n" + "\n".join(f"{Path(k).name} vs {Path(a.reference).name}: top-1 agreement "
+                                   f"{v['top1_agreement']:.3f}, perplexity {v['perplexity']:.2f} "
+                                   f"(reference {v['perplexity_reference']:.2f}), {v['tokens']} tokens"
+                                   for k, v in quality.items()) + "\n"
+    print(report)
+    if a.report:
+        Path(a.report).write_text(report)
     if a.json:
-        Path(a.json).write_text(json.dumps({"title": title, "results": results}, indent=2))
+        Path(a.json).write_text(json.dumps({"header": header, "rows": rows, "quality": quality,
+                                            "prompts": [q.__dict__ for q in prompts]}, indent=2) + "\n")
+    if a.plot:
+        plot(rows, a.plot, header.split(";")[0] + f"; {cpu_name()}")
+        print(f"plot: {a.plot}")
     return 0
 
 

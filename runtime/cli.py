@@ -34,6 +34,8 @@ def parser():
     g.add_argument("--raw", action="store_true", help="do not apply the chat template to the prompt")
     c = sub.add_parser("chat", help="interactive chat (empty line or Ctrl-D to quit)")
     _common(c)
+    sub.add_parser("tune", help="choose the draft tree for this machine (python -m runtime tune --help)",
+                   add_help=False)
     return p
 
 
@@ -43,9 +45,20 @@ def _kwargs(a) -> dict:
                 top_p=a.top_p, sampling_top_k=a.sampling_top_k, seed=a.seed)
 
 
-def _print_stats(out, file=sys.stderr):
+def _decoding(gen, a) -> str:
+    """What decoding the command's arguments select, in words."""
+    if a.no_speculative:
+        return "plain decoding"
+    if a.total_tokens or a.depth or a.top_k:
+        d = gen.tree_defaults
+        tree = (a.total_tokens or d["total_tokens"], a.depth or d["depth"], a.top_k or d["top_k"])
+        return "EAGLE-2 tree {}/{}/{}".format(*tree)
+    return gen.describe_default()
+
+
+def _print_stats(out, mode, file=sys.stderr):
     t = out.timings
-    print(f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, tau={out.mean_accept_length:.2f}, "
+    print(f"\n[{mode}; {len(out.token_ids)} tokens, finish={out.finish_reason}, tau={out.mean_accept_length:.2f}, "
           f"{t['tokens_per_s']:.1f} tok/s after the first token; time: prefill {t['prefill']*1e3:.0f} ms, "
           f"draft {t['draft']*1e3:.0f} ms, verify {t['verify']*1e3:.0f} ms, host {t['host']*1e3:.0f} ms]", file=file)
 
@@ -62,6 +75,10 @@ def _reply(gen, prompt_ids, kwargs):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tune"]:
+        from .tune import main as tune
+        return tune(argv[1:])
     a = parser().parse_args(argv)
     import runtime
     try:
@@ -74,7 +91,7 @@ def main(argv=None) -> int:
                 prompt = gen.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
             out = _reply(gen, prompt, kwargs)
             if a.stats:
-                _print_stats(out)
+                _print_stats(out, _decoding(gen, a))
             return 0
         history = []
         while True:
@@ -88,7 +105,7 @@ def main(argv=None) -> int:
             prompt = gen.tokenizer.apply_chat_template(history)
             out = _reply(gen, prompt, kwargs)
             if a.stats:
-                _print_stats(out)
+                _print_stats(out, _decoding(gen, a))
             history.append({"role": "assistant", "content": out.text})
     except (ArtifactError, ProviderError, PromptTooLongError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,223 @@
+"""Choose the draft tree for the machine the runtime runs on.
+
+    python -m runtime tune ARTIFACT [--provider cpu] [--prompts FILE.jsonl] [--n 6] [--max-new-tokens 96]
+                                    [--depths 1,2,3,4] [--top-ks 1,2,3,4] [--plot tune.png]
+
+What a tree is worth depends on the machine: the verify step's cost grows with the tree at a rate
+set by the kernels and the cores, the draft's with depth and branching. This measures both here,
+measures acceptance on a few prompts, predicts tokens/s = tau / (verify + draft + host) for every
+tree, confirms the best few by decoding side by side with plain decoding, and records the winner
+in ARTIFACT/tuning.json, which runtime.load uses by default for that provider.
+
+One speculative run per (depth, top_k) gives tau for every total_tokens at once: greedy output
+does not depend on the tree, and a tree of n tokens is the n - 1 best-scored nodes of the pool, so
+a cycle's acceptance with n tokens is the part of its accepted path that lies among those nodes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from eagle2 import tree_from_parents
+
+from .generation import Decoder
+from .prompts import load_prompts
+
+TUNING_FILE = "tuning.json"
+CONFIRM = 3            # predicted-best trees decoded for real
+MAX_TOTAL = 32         # largest tree considered
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_tuning(artifact: Path, provider: str) -> dict | None:
+    """The tuned choice for `provider`, or None when the artifact was not tuned for it."""
+    path = Path(artifact) / TUNING_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(provider)
+
+
+class RecordingDecoder(Decoder):
+    """A Decoder that keeps, per cycle, the verified tree and the accepted node indices."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cycles = []
+
+    def _accept(self, tree, logits):
+        accepted, bonus = super()._accept(tree, logits)
+        self.cycles.append((tree, accepted))
+        return accepted, bonus
+
+
+def accepted_within(tree, accepted: np.ndarray, total: int) -> int:
+    """Tokens the cycle would have produced had only the total - 1 best-scored nodes been verified."""
+    rank = np.empty(len(tree.tokens) - 1, np.int64)
+    rank[np.argsort(-tree.scores[1:], kind="stable")] = np.arange(len(rank))
+    n = 1
+    for node in accepted[1:]:
+        if rank[node - 1] >= total - 1:
+            break
+        n += 1
+    return n
+
+
+def acceptance(gen, prompts: list[list[int]], depth: int, top_k: int, max_new: int) -> dict:
+    """tau for every tree size of this (depth, top_k), and the draft and host seconds per cycle."""
+    s = gen._settings(max_new, True, MAX_TOTAL, depth, top_k, 0.0, 1.0, 0, None)
+    taus, cycles, draft, host = np.zeros(MAX_TOTAL + 1), 0, 0.0, 0.0
+    for ids in prompts:
+        dec = RecordingDecoder(gen.engine, ids, s, gen.stop_ids)
+        start = time.perf_counter()
+        for _ in dec.tokens():
+            pass
+        t = gen.engine.timings
+        draft += t["draft"]
+        host += time.perf_counter() - start - sum(t.values())
+        for tree, accepted in dec.cycles:
+            taus[1:] += [accepted_within(tree, accepted, n) for n in range(1, MAX_TOTAL + 1)]
+        cycles += len(dec.cycles)
+    return {"tau": (taus / max(cycles, 1)).tolist(), "draft_s": draft / max(cycles, 1),
+            "host_s": host / max(cycles, 1), "cycles": cycles}
+
+
+def verify_costs(gen, sizes: list[int], context: int, reps: int = 15) -> dict[int, float]:
+    """Seconds per verify step by tree size at `context` cached tokens (a chain: the cost depends
+    on the size only), sizes interleaved so machine drift hits all alike; the median of reps."""
+    e = gen.engine
+    context = min(context, e.max_length - max(sizes) - 1)
+    e.start(context)
+    prompt = np.arange(context, dtype=np.int64) % 1000 + 10
+    for start in range(0, context, 128):
+        e.prefill(prompt[start:start + 128], start)
+    trees = {n: tree_from_parents(np.arange(10, 10 + n), np.arange(n) - 1) for n in sizes}
+    times = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n in sizes:
+            t0 = time.perf_counter()
+            e.verify(trees[n], context)
+            times[n].append(time.perf_counter() - t0)
+    return {n: float(np.median(v)) for n, v in times.items()}
+
+
+def measured_speed(gen, prompts, trees, max_new) -> dict:
+    """Decode tokens/s of plain decoding and of each tree on the same prompts, interleaved."""
+    totals = {t: [0, 0.0] for t in [None, *trees]}
+    for ids in prompts:
+        reference = None
+        for t in totals:
+            if t is None:
+                out = gen.generate(ids, max_new_tokens=max_new, speculative=False)
+                reference = out.token_ids
+            else:
+                out = gen.generate(ids, max_new_tokens=max_new, total_tokens=t[0], depth=t[1], top_k=t[2])
+                if out.token_ids != reference:
+                    raise AssertionError(f"tree {t}: speculative output differs from plain decoding")
+            totals[t][0] += len(out.token_ids) - 1
+            totals[t][1] += out.timings["total"] - out.timings["first_token"]
+    return {t: n / s for t, (n, s) in totals.items()}
+
+
+def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
+    configs = [(d, k) for d in depths for k in top_ks]
+    runs = {}
+    for d, k in tqdm(configs, desc="acceptance by (depth, top_k)", file=sys.stderr):
+        runs[(d, k)] = acceptance(gen, prompts, d, k, max_new)
+    context = int(np.mean([len(p) for p in prompts])) + max_new // 2
+    verify = verify_costs(gen, list(range(1, MAX_TOTAL + 1)), context)
+    predicted = []
+    for (d, k), r in runs.items():
+        for n in range(2, min(MAX_TOTAL, k + d * k * k + 1) + 1):
+            cycle = verify[n] + r["draft_s"] + r["host_s"]
+            predicted.append({"total_tokens": n, "depth": d, "top_k": k, "tau": r["tau"][n],
+                              "cycle_ms": 1e3 * cycle, "tokens_per_s": r["tau"][n] / cycle})
+    predicted.sort(key=lambda p: -p["tokens_per_s"])
+    best = [(p["total_tokens"], p["depth"], p["top_k"]) for p in predicted[:CONFIRM]]
+    speed = measured_speed(gen, prompts, best, max_new)
+    plain = speed.pop(None)
+    winner = max(speed, key=speed.get)
+    tree = dict(zip(("total_tokens", "depth", "top_k"), winner)) if speed[winner] > plain else None
+    return {"tree": tree, "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"),
+            "plain_tokens_per_s": plain,
+            "confirmed": [{"tree": "/".join(map(str, t)), "tokens_per_s": v, "speedup": v / plain}
+                          for t, v in speed.items()],
+            "verify_ms": {str(n): 1e3 * v for n, v in verify.items()},
+            "draft_ms": {f"{d}/{k}": 1e3 * r["draft_s"] for (d, k), r in runs.items()},
+            "predicted": predicted[:20]}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_shape: dict[tuple, list] = {}
+    for p in result["predicted"]:
+        by_shape.setdefault((p["depth"], p["top_k"]), []).append(p)
+    for (d, k), ps in sorted(by_shape.items()):
+        ps.sort(key=lambda p: p["total_tokens"])
+        ax.plot([p["total_tokens"] for p in ps], [p["tokens_per_s"] / result["plain_tokens_per_s"] for p in ps],
+                "o-", ms=3, label=f"depth {d}, top_k {k}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("tree size (total_tokens)")
+    ax.set_ylabel("predicted speedup vs plain decoding")
+    ax.set_title(f"{result['machine']}", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime tune")
+    p.add_argument("artifact")
+    p.add_argument("--provider", default="cpu")
+    p.add_argument("--prompts", default="builtin", help="builtin, gsm8k[:N] or a .jsonl (keep the prompts you "
+                   "evaluate on out of tuning)")
+    p.add_argument("--n", type=int, default=6, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--depths", default="1,2,3,4")
+    p.add_argument("--top-ks", default="1,2,3,4")
+    p.add_argument("--plot", help="write predicted speedup against tree size here")
+    a = p.parse_args(argv)
+    import runtime
+    gen = runtime.load(a.artifact, provider=a.provider)
+    if gen.engine.draft is None:
+        p.error("the artifact has no draft head: there is no tree to tune")
+    prompts = [gen.tokenizer.apply_chat_template([{"role": "user", "content": q.text}])
+               for q in load_prompts(a.prompts)[: a.n]]
+    result = tune(gen, prompts, [int(v) for v in a.depths.split(",")], [int(v) for v in a.top_ks.split(",")],
+                  a.max_new_tokens)
+    path = Path(a.artifact) / TUNING_FILE
+    tuning = json.loads(path.read_text()) if path.is_file() else {}
+    tuning[a.provider] = result
+    path.write_text(json.dumps(tuning, indent=2) + "\n")
+    print(f"plain decoding: {result['plain_tokens_per_s']:.1f} tok/s on {result['machine']}")
+    for c in result["confirmed"]:
+        print(f"tree {c['tree']:>8}: {c['tokens_per_s']:.1f} tok/s ({c['speedup']:.2f}x)")
+    chosen = "plain decoding (no tree beat it here)" if result["tree"] is None else \
+        "tree {total_tokens}/{depth}/{top_k}".format(**result["tree"])
+    print(f"chosen for provider {a.provider}: {chosen}; written to {path}")
+    if a.plot:
+        plot(result, a.plot)
+        print(f"plot: {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

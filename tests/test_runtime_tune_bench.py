@@ -1,0 +1,85 @@
+"""`python -m runtime tune` chooses and records a tree the runtime then uses; `python -m runtime.bench`
+measures configurations side by side and writes its report; the prompt sets load."""
+import json
+
+import numpy as np
+import pytest
+
+import runtime
+from eagle2 import tree_from_parents
+from runtime import bench, tune
+from runtime.prompts import load_prompts
+
+
+def test_acceptance_of_smaller_trees_from_one_cycle():
+    # Root 0; nodes 1..4 ranked by score: 1 (-0.1), 3 (-0.2), 2 (-0.5), 4 (-0.9).
+    tree = tree_from_parents([9, 1, 2, 3, 4], [-1, 0, 0, 1, 3], scores=[0, -0.1, -0.5, -0.2, -0.9])
+    accepted = np.array([0, 1, 3, 4])
+    assert [tune.accepted_within(tree, accepted, n) for n in (1, 2, 3, 4, 5)] == [1, 2, 3, 3, 4]
+
+
+@pytest.fixture
+def artifact(tiny_artifact, tmp_path):
+    import shutil
+    path = tmp_path / "tiny"
+    shutil.copytree(tiny_artifact("tiny-llama", "int8"), path)
+    return path
+
+
+def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
+    assert tune.main([str(artifact), "--n", "2", "--max-new-tokens", "24", "--depths", "1,2", "--top-ks", "1,2",
+                      "--plot", str(artifact / "tune.png")]) == 0
+    result = json.loads((artifact / tune.TUNING_FILE).read_text())["cpu"]
+    assert result["machine"] and result["plain_tokens_per_s"] > 0 and len(result["confirmed"]) == tune.CONFIRM
+    assert set(result["verify_ms"]) == {str(n) for n in range(1, tune.MAX_TOTAL + 1)}
+    assert (artifact / "tune.png").stat().st_size > 0
+    gen = runtime.load(artifact)
+    assert result["machine"] in gen.describe_default()
+    if result["tree"] is None:
+        assert not gen.speculative_default and "plain decoding" in gen.describe_default()
+    else:
+        assert gen.tree_defaults == result["tree"] and gen.speculative_default
+    # Another provider was not tuned: it keeps the artifact's own default.
+    assert tune.read_tuning(artifact, "openvino") is None
+    assert "chosen for provider cpu" in capsys.readouterr().out
+
+
+def test_bench_reports_every_configuration(artifact, tmp_path):
+    out = tmp_path / "bench"
+    assert bench.main([str(artifact), "--prompts", "builtin", "--n", "2", "--max-new-tokens", "20",
+                       "--trees", "default,6/3/2", "--report", f"{out}.md", "--json", f"{out}.json",
+                       "--plot", f"{out}.png", "--reference", str(artifact)]) == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["tree"] for r in data["rows"]] == [None, [4, 2, 2], [6, 3, 2]]
+    plain, *trees = data["rows"]
+    assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in trees)
+    assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in data["rows"])
+    # The artifact against itself: every greedy token agrees.
+    assert data["quality"][str(artifact)]["top1_agreement"] == 1.0
+    assert "| configuration | tok/s |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_prompt_sets():
+    assert len(load_prompts("builtin")) == 8
+    mt = load_prompts("mtbench")
+    assert len(mt) == 80 and len({p.category for p in mt}) == 8
+    two = load_prompts("mtbench:2")
+    assert len(two) == 16 and all(sum(p.category == c for p in two) == 2 for c in {p.category for p in two})
+    assert len(load_prompts("gsm8k:5")) == 5
+    with pytest.raises(FileNotFoundError, match="unknown prompt set"):
+        load_prompts("no-such-set")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,module", [("genai", "onnx_ir"), ("llamacpp", "llama_cpp")])
+def test_peers_decode_the_requested_tokens(name, module, smollm2_artifact):
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"the {name} peer is not installed (bash ci/install_peers.sh)")
+    from runtime.peers import make_peers
+    gen = runtime.load(smollm2_artifact)
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    for peer in make_peers([name], "smollm2-135m"):
+        seconds = peer.decode(ids, 16)
+        assert 0 < seconds < 30 and peer.weight_bytes > 50e6, peer.name
