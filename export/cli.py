@@ -14,10 +14,14 @@ from .artifact import ArtifactError, check_output
 from .onnx_graph import ATTENTIONS, PRECISIONS
 from models.gguf_blocks import GGUFBlocksError
 
-from .onnx_export import DEFAULT_DRAFT_VOCAB, ExportError, choose_draft_vocab, export_onnx
+from .common import DEFAULT_DRAFT_VOCAB, DEFAULT_PRECISION, ExportError, choose_draft_vocab
+from .onnx_export import export_onnx
 from .verify import ParityError
 
-TARGETS = ("onnx",)
+TARGETS = ("onnx", "ipex", "torch")
+# Precision when --precision is not given: each target's fastest whose speculation is lossless.
+TARGET_DEFAULT_PRECISION = {"onnx": DEFAULT_PRECISION, "ipex": "bf16", "torch": "fp32"}
+TORCH_PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,10 +30,13 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--head", help="EAGLE-1/2 head directory or hub id (default: the alias's head)")
     g.add_argument("--no-head", action="store_true", help="export the base graph alone")
-    p.add_argument("--out", type=Path, help="artifact directory (default: artifacts/<name>[-<precision>])")
-    p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime)")
-    p.add_argument("--precision", default="fp32", help="fp32, fp16 (CUDA), int8 (8-bit weights), gguf (a GGUF's "
-                   "own quantized weights as they are: Q4_0, Q4_1, Q8_0)")
+    p.add_argument("--out", type=Path, help="artifact directory (default: artifacts/<name>, "
+                   "artifacts/<name>-<precision> for other than the default precision)")
+    p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime; default), ipex (intel-extension-for-pytorch, "
+                   "in .venv-ipex) or torch (plain PyTorch, CPU or CUDA)")
+    p.add_argument("--precision", help="onnx: int8 (8-bit weights; default: the fastest lossless CPU artifact), "
+                   "fp32, fp16 (CUDA), gguf (a GGUF's own quantized weights as they are: Q4_0, Q4_1, Q8_0); "
+                   "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
     p.add_argument("--draft-precision", help="precision of the draft graph (default: int8 for fp32/int8 "
                    "bases, fp16 for fp16)")
     p.add_argument("--attention", choices=ATTENTIONS, help="exact: every verified tree node computed bitwise "
@@ -45,9 +52,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_out(model: str, precision: str) -> Path:
+def default_out(model: str, precision: str, target: str = "onnx") -> Path:
     name = model if model in ALIASES else Path(model.rstrip("/")).name.removesuffix(".gguf").replace("/", "--")
-    return Path("artifacts") / (name if precision == "fp32" else f"{name}-{precision}")
+    if target != "onnx":
+        return Path("artifacts") / f"{name}-{target}-{precision}"
+    return Path("artifacts") / (name if precision == DEFAULT_PRECISION else f"{name}-{precision}")
 
 
 def main(argv=None) -> int:
@@ -61,17 +70,32 @@ def main(argv=None) -> int:
     try:
         if args.target not in TARGETS:
             raise ExportError(f"unsupported target {args.target!r}; choose one of {', '.join(TARGETS)}")
-        if args.precision not in PRECISIONS:
-            raise ExportError(f"unsupported precision {args.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        out = args.out or default_out(args.model, args.precision)
-        check_output(out, args.force)  # before loading weights, which can take minutes
+        precision = args.precision or TARGET_DEFAULT_PRECISION[args.target]
+        allowed = PRECISIONS if args.target == "onnx" else TORCH_PRECISIONS[args.target]
+        if precision not in allowed:
+            raise ExportError(f"unsupported precision {precision!r} for --target {args.target}; "
+                              f"choose one of {', '.join(allowed)}")
+        if args.target != "onnx" and (args.draft_precision or args.attention):
+            raise ExportError(f"--draft-precision and --attention apply to --target onnx only; a {args.target} "
+                              "artifact's draft takes the base's precision and its attention is exact")
+        if args.target == "ipex":
+            from .torch_export import import_ipex
+            import_ipex()  # before loading weights, which can take minutes
+        out = args.out or default_out(args.model, precision, args.target)
+        check_output(out, args.force)
         from models.registry import load_checkpoint
         print(f"loading {args.model} ...", file=sys.stderr)
         ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)
-        manifest = export_onnx(ckpt, out, args.precision, args.max_length, verify=not args.no_verify,
-                               overwrite=args.force, log=lambda m: print(m, file=sys.stderr),
-                               draft_precision=args.draft_precision, attention=args.attention,
-                               draft_vocab=choose_draft_vocab(ckpt, args.draft_vocab))
+        log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        vocab = choose_draft_vocab(ckpt, args.draft_vocab)
+        if args.target == "onnx":
+            manifest = export_onnx(ckpt, out, precision, args.max_length, verify=not args.no_verify,
+                                   overwrite=args.force, log=log, draft_precision=args.draft_precision,
+                                   attention=args.attention, draft_vocab=vocab)
+        else:
+            from .torch_export import export_torch
+            manifest = export_torch(ckpt, out, args.target, precision, args.max_length, verify=not args.no_verify,
+                                    overwrite=args.force, log=log, draft_vocab=vocab)
     except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError,
             GGUFBlocksError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -80,7 +104,9 @@ def main(argv=None) -> int:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
     head = "with draft head" if manifest["head"] else "base only (no draft head)"
-    print(f"exported {args.model} ({args.precision}, {head}) in {manifest['export_seconds']} s")
+    print(f"exported {args.model} ({args.target}, {precision}, {head}) in {manifest['export_seconds']} s"
+          if args.target != "onnx" else f"exported {args.model} ({precision}, {head}) in {manifest['export_seconds']} s")
     print(f"artifact: {out.resolve()}")
-    print(f'next: python -m runtime generate {out} --prompt "What is the capital of France?" --stats')
+    provider = "" if args.target == "onnx" else f" --provider {args.target}"
+    print(f'next: python -m runtime generate {out}{provider} --prompt "What is the capital of France?" --stats')
     return 0

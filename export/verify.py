@@ -11,14 +11,14 @@ import torch
 from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
 from models.llama import CausalLM, EagleHead, KVCache, causal_bias
-from runtime.session import GraphSession
+from runtime.engine import open_session
 
 from .onnx_graph import dequantize_8bit, quantize_8bit
 
 # Largest allowed max|graph - reference| / max|reference| per tensor, by precision. The reference
 # holds the graph's own weights (fp16-rounded or 8-bit dequantized), so what remains is the graph's
 # arithmetic: fp32 reordering, fp16 activations, or int8 activation rounding (MatMulNBits level 4).
-TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 0.2, "gguf": 0.2}
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "int8": 0.2, "gguf": 0.2}
 
 LINEAR_SUFFIXES = ("_proj.weight", "fc.weight", "lm_head.weight")
 
@@ -35,6 +35,8 @@ def stored_weights(state: dict[str, torch.Tensor], precision: str) -> dict[str, 
         t = t.float()
         if precision == "fp16":
             t = t.half().float()
+        elif precision == "bf16":
+            t = t.bfloat16().float()
         elif precision == "int8" and name.endswith(LINEAR_SUFFIXES):
             q, s = quantize_8bit(t.numpy())
             t = torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
@@ -99,8 +101,8 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
         rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
         diffs[name] = max(diffs.get(name, 0.0), rel)
 
-    base = GraphSession(str(artifact / manifest["graphs"]["base"]["file"]), manifest["graphs"]["base"], "cpu",
-                        cache_len, max(prefill, tree))
+    provider = "cpu" if manifest["target"] == "onnx" else manifest["target"]
+    base = open_session(artifact, manifest["graphs"]["base"], provider, "cpu", cache_len, max(prefill, tree), 64, None)
     cache = KVCache(cfg, cache_len)
     features = []
     with torch.no_grad():
@@ -112,11 +114,11 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
             record("base.logits", out["logits"], logits)
             record("base.hidden_states", out["hidden_states"], hidden)
             features.append(hidden)
-        onnx_k = base.cache_arrays()[0][:, :, :prefill + tree]
-        record("base.kv_cache", onnx_k, cache.k[0][:, :, :prefill + tree])
+        graph_k = base.cache_arrays()[0][:, :, :prefill + tree]
+        record("base.kv_cache", graph_k, cache.k[0][:, :, :prefill + tree])
         if head_ref is not None:
-            draft = GraphSession(str(artifact / manifest["graphs"]["draft"]["file"]), manifest["graphs"]["draft"],
-                                 "cpu", cache_len, max(prefill, tree))
+            draft = open_session(artifact, manifest["graphs"]["draft"], provider, "cpu", cache_len, max(prefill, tree),
+                                 64, None)
             dcache = KVCache(head_cfg, cache_len)
             k = min(8, cfg.vocab_size)
             top_k = np.array([k], np.int64)

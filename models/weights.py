@@ -135,6 +135,14 @@ def load_hf_directory(directory: Path) -> tuple[ModelConfig, dict[str, torch.Ten
     return cfg, state
 
 
+def _dtype_keyword() -> str:
+    """transformers renamed from_pretrained's torch_dtype to dtype in 4.56 (the IPEX environment
+    pins 4.55)."""
+    import transformers
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def load_gguf(path: Path):
     """Dequantize a GGUF file through transformers (needs the `gguf` and `accelerate` packages)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -146,7 +154,7 @@ def load_gguf(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32)
+                                                     **{_dtype_keyword(): torch.float32})
     except ImportError as e:
         raise WeightsError(f"loading GGUF needs extra packages: {e}") from None
     except Exception as e:

@@ -12,6 +12,7 @@ from export.artifact import read_manifest
 from .engine import Engine
 from .generation import Decoder, Settings
 from .session import check_provider
+from .torch_session import TORCH_PROVIDERS
 from .tokenizer import ChatTokenizer, StreamDecoder
 from .tune import read_tuning
 
@@ -33,15 +34,13 @@ class Generator:
     """One artifact loaded for generation. Calls are serialized: one generation at a time."""
 
     def __init__(self, path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
-                 verify_checksums: bool = True):
-        if provider == "ipex":
-            raise ValueError("provider 'ipex' needs an IPEX artifact (python -m export --target ipex), "
-                             "which this build does not provide yet")
-        check_provider(provider)
+                 verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None):
+        if provider not in TORCH_PROVIDERS:
+            check_provider(provider)
         self.path = Path(path)
         self.manifest = read_manifest(self.path, verify_checksums)
         self.provider = provider
-        self.engine = Engine(self.path, self.manifest, provider, max_length, threads)
+        self.engine = Engine(self.path, self.manifest, provider, max_length, threads, device, provider_options)
         self.tokenizer = ChatTokenizer(self.path / self.manifest["tokenizer"])
         self.stop_ids = set(self.manifest["stop_token_ids"])
         # The tree used when a call names none: what `python -m runtime tune` chose for this provider,
@@ -176,6 +175,8 @@ class Generator:
 
 
 def load(path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
-         verify_checksums: bool = True) -> Generator:
-    """Load an artifact directory made by `python -m export`."""
-    return Generator(path, provider, max_length, threads, verify_checksums)
+         verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None) -> Generator:
+    """Load an artifact directory made by `python -m export`. provider: cpu, cuda or openvino (ONNX
+    Runtime) for ONNX artifacts, with ONNX Runtime `provider_options` (runtime.openvino_options(device,
+    precision_hint) for OpenVINO); ipex or torch for torch artifacts, on `device` (cpu, cuda, xpu)."""
+    return Generator(path, provider, max_length, threads, verify_checksums, device, provider_options)

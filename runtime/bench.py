@@ -26,9 +26,11 @@ import onnx
 from tqdm import tqdm
 
 import runtime
+from export.artifact import read_manifest
 
 from .peers import make_peers
 from .prompts import load_prompts
+from .tokenizer import ChatTokenizer
 from .tune import cpu_name
 
 
@@ -44,9 +46,13 @@ class Config:
                                                   "draft": 0.0, "verify": 0.0, "host": 0.0})
 
 
-def graph_weight_bytes(artifact: Path, graph: str) -> int:
-    """Bytes of the weights a graph reads in a step (its external initializers)."""
-    model = onnx.load(str(artifact / f"{graph}.onnx"), load_external_data=False)
+def graph_weight_bytes(artifact: Path, spec: dict) -> int:
+    """Bytes of the weights a graph reads in a step: an ONNX graph's external initializers; the file
+    of a TorchScript graph, whose weights are inside it."""
+    path = artifact / spec["file"]
+    if path.suffix != ".onnx":
+        return path.stat().st_size
+    model = onnx.load(str(path), load_external_data=False)
     return sum(int({e.key: e.value for e in t.external_data}["length"]) for t in model.graph.initializer
                if t.data_location == onnx.TensorProto.EXTERNAL)
 
@@ -64,11 +70,15 @@ def parse_trees(spec: str, gen) -> list[tuple[int, int, int] | None]:
 
 
 def artifact_configs(path: str, provider: str, trees_spec: str, n: int) -> list[Config]:
+    """Plain decoding and the trees of one artifact: ONNX ones on `provider`, torch ones on their own."""
+    manifest = read_manifest(Path(path), verify_checksums=False)
+    provider = provider if manifest["target"] == "onnx" else manifest["target"]
     gen = runtime.load(path, provider=provider)
     gen.stop_ids.clear()  # exactly n tokens for every configuration
     label = f"{Path(path).name} ({gen.manifest['precision']}, {provider})"
-    base_bytes = graph_weight_bytes(Path(path), "base")
-    draft_bytes = graph_weight_bytes(Path(path), "draft") if gen.engine.draft is not None else 0
+    graphs = gen.manifest["graphs"]
+    base_bytes = graph_weight_bytes(Path(path), graphs["base"])
+    draft_bytes = graph_weight_bytes(Path(path), graphs["draft"]) if gen.engine.draft is not None else 0
 
     def runner(tree):
         def run(ids):
@@ -221,7 +231,7 @@ def main(argv=None) -> int:
     prompts = load_prompts(a.prompts)[: a.n]
     configs = [c for path in a.artifacts for c in artifact_configs(path, a.provider, a.trees, a.max_new_tokens)]
     configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens) if a.peers else []
-    tokenizer = runtime.load(a.artifacts[0], provider=a.provider).tokenizer
+    tokenizer = ChatTokenizer(Path(a.artifacts[0]) / read_manifest(Path(a.artifacts[0]), False)["tokenizer"])
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": q.text}]) for q in prompts]
     measure(configs, ids, a.max_new_tokens)
     rows = summarize(configs)

@@ -12,7 +12,12 @@ from .session import ProviderError
 
 def _common(p):
     p.add_argument("artifact", help="artifact directory made by python -m export")
-    p.add_argument("--provider", default="cpu", help="cpu, cuda or openvino")
+    p.add_argument("--provider", default="cpu", help="cpu, cuda or openvino (ONNX artifacts); ipex or torch "
+                   "(torch artifacts)")
+    p.add_argument("--device", default="cpu", help="torch artifacts: cpu, cuda or xpu")
+    p.add_argument("--openvino-device", default="CPU", help="provider openvino: CPU, GPU, NPU, GPU.0, ...")
+    p.add_argument("--openvino-precision", help="provider openvino: inference precision hint, e.g. bf16 (AMX / "
+                   "AVX512-BF16 CPUs) or f16")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding (the baseline)")
     p.add_argument("--total-tokens", type=int, help="tokens verified per cycle (default: the artifact's)")
@@ -35,6 +40,8 @@ def parser():
     c = sub.add_parser("chat", help="interactive chat (empty line or Ctrl-D to quit)")
     _common(c)
     sub.add_parser("tune", help="choose the draft tree for this machine (python -m runtime tune --help)",
+                   add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (python -m runtime serve --help)",
                    add_help=False)
     return p
 
@@ -79,10 +86,14 @@ def main(argv=None) -> int:
     if argv[:1] == ["tune"]:
         from .tune import main as tune
         return tune(argv[1:])
+    if argv[:1] == ["serve"]:
+        from .server import main as serve
+        return serve(argv[1:])
     a = parser().parse_args(argv)
     import runtime
     try:
-        gen = runtime.load(a.artifact, provider=a.provider)
+        options = runtime.openvino_options(a.openvino_device, a.openvino_precision) if a.provider == "openvino" else None
+        gen = runtime.load(a.artifact, provider=a.provider, device=a.device, provider_options=options)
         kwargs = _kwargs(a)
         if a.command == "generate":
             if a.raw or gen.tokenizer.chat_template is None:

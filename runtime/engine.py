@@ -3,6 +3,10 @@
 Each method is one graph call with its inputs written into preallocated buffers; the generation
 loop in generation.py decides what to call. Nothing here allocates per step beyond tiny index
 arrays (the tree's own arrays and the attention-mask bookkeeping of eagle2).
+
+The sessions are ONNX Runtime's (runtime/session.py) for ONNX artifacts and torch's
+(runtime/torch_session.py) for IPEX and torch artifacts: both take and return numpy arrays by name,
+so everything above them, from this class to the API, is shared.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import numpy as np
 
 from eagle2 import DraftTree, write_attention_bias
 
-from .session import CacheCompactor, GraphSession
+from .session import CacheCompactor, GraphSession, ProviderError
+from .torch_session import TORCH_PROVIDERS, TorchSession
 
 PREFILL_CHUNK = 128
 MAX_TREE_TOKENS = 128   # largest verify step (total_tokens)
@@ -21,24 +26,43 @@ MAX_TOP_K = 16          # largest draft branching (top_k)
 MAX_DEPTH = 16          # deepest draft expansion (depth); nodes sit at most depth+1 past the context
 
 
+def check_target(manifest: dict, provider: str) -> None:
+    """ONNX artifacts run on ONNX Runtime's providers, IPEX and torch artifacts on their own."""
+    target = manifest.get("target", "onnx")
+    if target == "onnx" and provider in TORCH_PROVIDERS:
+        raise ProviderError(f"provider {provider!r} runs torch artifacts (python -m export MODEL --target "
+                            f"{provider}); this artifact is ONNX: use cpu, cuda or openvino")
+    if target != "onnx" and provider != target:
+        raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+
+
+def open_session(root: Path, spec: dict, provider: str, device: str, cache_length: int, steps: int, max_k: int,
+                 threads: int | None, provider_options: dict | None = None):
+    if provider in TORCH_PROVIDERS:
+        return TorchSession(str(root / spec["file"]), spec, provider, device, cache_length, steps, max_k, threads)
+    return GraphSession(str(root / spec["file"]), spec, provider, cache_length, steps, max_k, threads,
+                        provider_options)
+
+
 class Engine:
     def __init__(self, root: Path, manifest: dict, provider: str, max_length: int | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, device: str = "cpu", provider_options: dict | None = None):
+        check_target(manifest, provider)
         self.manifest = manifest
         self.max_length = min(max_length or manifest["max_length"], manifest["max_length"])
         self.io_dtype = np.float16 if manifest["io_dtype"] == "float16" else np.float32
         self.masked = np.finfo(self.io_dtype).min
         steps = max(PREFILL_CHUNK, MAX_TREE_TOKENS)
         graphs = manifest["graphs"]
-        self.base = GraphSession(str(root / graphs["base"]["file"]), graphs["base"], provider, self.max_length,
-                                 steps, threads=threads)
-        self.compactor = CacheCompactor(self.base, provider)
+        self.base = open_session(root, graphs["base"], provider, device, self.max_length, steps, 64, threads,
+                                 provider_options)
+        self.compactor = self.base if provider in TORCH_PROVIDERS else CacheCompactor(self.base, provider)
         # The draft cache also holds the current round's tree: depth * top_k rows past the context.
         total = self.max_length + MAX_DEPTH * MAX_TOP_K
         self.draft = None
         if "draft" in graphs:
-            self.draft = GraphSession(str(root / graphs["draft"]["file"]), graphs["draft"], provider,
-                                      total, steps, MAX_TOP_K, threads=threads)
+            self.draft = open_session(root, graphs["draft"], provider, device, total, steps, MAX_TOP_K, threads,
+                                      provider_options)
         hidden = manifest["model"]["config"]["hidden_size"]
         self.ids = np.zeros(steps, np.int64)
         self.positions = np.zeros(steps, np.int64)

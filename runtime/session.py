@@ -7,9 +7,13 @@ step allocates nothing but the binding calls themselves.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from .caches import HostCaches
 
 PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
@@ -33,7 +37,8 @@ class ProviderError(ValueError):
 
 def check_provider(provider: str) -> None:
     if provider not in PROVIDERS:
-        raise ProviderError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)} (or 'ipex')")
+        raise ProviderError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}, "
+                            "or ipex / torch for torch artifacts")
     wanted = PROVIDERS[provider][0]
     if wanted not in ort.get_available_providers():
         extra = {"cuda": "cuda", "openvino": "openvino"}.get(provider)
@@ -55,20 +60,39 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     return so
 
 
-# A graph with exact attention (input cache_position) attends over its whole bound cache, so the
-# cache is bound at a capacity just above the positions in use, growing in steps of this many
-# (copying out the used part every step instead cost 3.5 ms a step at 800 tokens of context).
-CACHE_STEP = 256
+def openvino_options(device: str = "CPU", precision_hint: str | None = None) -> dict:
+    """OpenVINO EP options: the device (CPU, GPU, NPU, GPU.0, ...) and an inference precision hint
+    (bf16 runs matmuls on AMX / AVX512-BF16 on Intel CPUs that have them; f16 on GPUs)."""
+    options = {"device_type": device}
+    if precision_hint:
+        options["load_config"] = json.dumps({device.split(".")[0]: {"INFERENCE_PRECISION_HINT": precision_hint}})
+    return options
+
+
+def create_session(path: str, provider: str, threads: int | None, options: dict | None) -> ort.InferenceSession:
+    providers = list(PROVIDERS[provider])
+    if options:
+        providers[0] = (providers[0], {k: str(v) for k, v in options.items()})
+    session = ort.InferenceSession(path, session_options(threads), providers=providers)
+    # ONNX Runtime falls back to the CPU provider, with a logged warning only, when a provider cannot
+    # be created with the options given.
+    if PROVIDERS[provider][0] not in session.get_providers():
+        raise ProviderError(f"{PROVIDERS[provider][0]} could not be created with options {options}")
+    return session
 
 
 class GraphSession:
     """One graph (base or draft) with its in-place KV cache and preallocated step buffers."""
 
     def __init__(self, path: str, spec: dict, provider: str, cache_length: int, max_tokens: int,
-                 max_k: int = 64, threads: int | None = None):
+                 max_k: int = 64, threads: int | None = None, provider_options: dict | None = None):
         check_provider(provider)
         self.device = DEVICE[provider]
-        self.session = ort.InferenceSession(path, session_options(threads), providers=PROVIDERS[provider])
+        self.grows = any(i["name"] == "cache_position" for i in spec["inputs"])
+        if self.grows and provider == "openvino":
+            raise ProviderError("this artifact's exact attention writes its cache with TensorScatter (ONNX opset 24), "
+                                "which onnxruntime-openvino lacks: export with --attention fused for OpenVINO")
+        self.session = create_session(path, provider, threads, provider_options)
         self.spec = spec
         self.cache_length = cache_length
         self.max_tokens = max_tokens
@@ -76,22 +100,19 @@ class GraphSession:
         past = [i for i in spec["inputs"] if i["name"].startswith("past_")]
         self.cache_names = [i["name"] for i in past]
         self.cache_dtype = NP_DTYPES[past[0]["dtype"]]
-        self._cache_dims = [(i["shape"][1], i["shape"][3]) for i in past]  # [1, heads, length, width]
-        self.grows = any(i["name"] == "cache_position" for i in spec["inputs"])
+        dims = [(i["shape"][1], i["shape"][3]) for i in past]  # [1, heads, length, width]
+        # A graph with exact attention (input cache_position) attends over its whole cache: host caches
+        # that grow (runtime/caches.py). Others get caches of cache_length where the provider keeps them.
         if self.grows:
             if self.device != "cpu":
                 raise ProviderError("graphs with exact attention run on host memory (provider cpu); "
                                     "export with --attention fused for this provider")
-            # One zeroed store per cache for the longest length, allocated once; the bound cache is
-            # its first heads * capacity * width elements, re-laid out in place when it grows.
-            # Zeroed because positions past those in use are read (masked) and must be finite.
-            self._stores = [np.zeros(h * cache_length * w, self.cache_dtype) for h, w in self._cache_dims]
-            self._scratch = np.empty(cache_length * max(w for _, w in self._cache_dims), self.cache_dtype)
             bias_dtype = NP_DTYPES[next(i["dtype"] for i in spec["inputs"] if i["name"] == "attention_bias")]
-            self._wide_bias = np.empty(max_tokens * cache_length, bias_dtype)
-            self._cache_position = np.zeros(1, np.int64)
-        self.capacity = 0
-        self._bind_caches(min(CACHE_STEP, cache_length) if self.grows else cache_length)
+            self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, bias_dtype)
+            self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
+        else:
+            self._bind([ort.OrtValue.ortvalue_from_shape_and_type([1, h, cache_length, w], self.cache_dtype,
+                                                                  self.device, 0) for h, w in dims])
         # One buffer per non-cache output, big enough for max_tokens rows; views of it are returned.
         self.outputs: dict[str, np.ndarray] = {}
         self._out_shapes: dict[str, list] = {}
@@ -103,41 +124,22 @@ class GraphSession:
                                                NP_DTYPES[o["dtype"]])
         self.max_k = max_k
 
-    def _bind_caches(self, capacity: int) -> None:
-        """Bind every cache, [1, heads, capacity, width], as both past_* input and present_* output.
-        Growing caches keep their contents: each head's rows move to the head's new offset."""
-        if self.grows:
-            old = self.capacity
-            self._host = []
-            for store, (heads, width) in zip(self._stores, self._cache_dims):
-                keep = min(old, capacity) * width
-                # Heads move back when growing and forward when shrinking: order the moves so that no
-                # head is overwritten before it has moved, through a scratch copy of one head.
-                for h in (reversed(range(1, heads)) if capacity > old else range(1, heads)):
-                    self._scratch[:keep] = store[h * old * width:h * old * width + keep]
-                    store[h * capacity * width:h * capacity * width + keep] = self._scratch[:keep]
-                self._host.append(store[:heads * capacity * width].reshape(1, heads, capacity, width))
-            self.caches = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._host]
-        else:
-            self.caches = [ort.OrtValue.ortvalue_from_shape_and_type([1, heads, capacity, width], self.cache_dtype,
-                                                                     self.device, 0)
-                           for heads, width in self._cache_dims]
-            self._host = [v.numpy() for v in self.caches] if self.device == "cpu" else []
-        for name, value in zip(self.cache_names, self.caches):
+    def _bind(self, caches: list) -> None:
+        """Bind every cache as both its past_* input and its present_* output."""
+        self.caches = caches
+        for name, value in zip(self.cache_names, caches):
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
-        self.capacity = capacity
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity if self.grows else self.cache_length
 
     def reserve(self, length: int, shrink: bool = False) -> int:
-        """Make a growing cache hold at least `length` positions (with shrink, also at most a step
+        """Make growing caches hold at least `length` positions (with shrink, also at most a step
         more); returns the capacity. Other caches hold cache_length positions from the start."""
-        if not self.grows:
-            return self.capacity
-        if length > self.cache_length:
-            raise ValueError(f"{length} positions exceed this session's cache of {self.cache_length}")
-        wanted = min(-(-length // CACHE_STEP) * CACHE_STEP, self.cache_length)
-        if wanted > self.capacity or (shrink and wanted < self.capacity):
-            self._bind_caches(wanted)
+        if self.grows and self.store.reserve(length, shrink):
+            self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
         return self.capacity
 
     @staticmethod
@@ -155,7 +157,8 @@ class GraphSession:
                              f"({self.max_tokens} tokens, top-{self.max_k})")
         b = self.binding
         if self.grows:
-            inputs = self._whole_cache_inputs(inputs, t)
+            self.reserve(inputs["attention_bias"].shape[-1])
+            inputs = self.store.step_inputs(inputs, t)
         for name, arr in inputs.items():
             b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, _address(arr))
         views = {}
@@ -167,23 +170,11 @@ class GraphSession:
         self.session.run_with_iobinding(b)
         return views
 
-    def _whole_cache_inputs(self, inputs: dict, t: int) -> dict:
-        """For a graph attending over its whole cache: the attention bias [1, 1, t, total] widened to
-        the cache's capacity (positions past total masked) and the position where the t new rows go."""
-        bias = inputs["attention_bias"]
-        total = bias.shape[-1]
-        width = self.reserve(total)
-        wide = self._wide_bias[: t * width].reshape(1, 1, t, width)
-        wide[..., :total] = bias
-        wide[..., total:] = np.finfo(bias.dtype).min
-        self._cache_position[0] = total - t
-        return {**inputs, "attention_bias": wide, "cache_position": self._cache_position}
-
     def cache_arrays(self) -> list[np.ndarray]:
         """The host caches themselves (CPU only), [1, heads, capacity, width] each."""
         if self.device != "cpu":
             raise RuntimeError("cache_arrays() is only available for host-resident caches")
-        return self._host
+        return self.store.arrays if self.grows else [v.numpy() for v in self.caches]
 
 
 def compaction_graph(n_caches: int, dtype) -> bytes:

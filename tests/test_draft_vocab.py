@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import runtime
-from export.onnx_export import choose_draft_vocab, export_onnx
+from export.common import choose_draft_vocab
+from export.onnx_export import export_onnx
 from export.verify import TOLERANCE
 from models.draft_vocab import DraftVocab, select
 from models.registry import load_checkpoint

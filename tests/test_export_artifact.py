@@ -16,7 +16,8 @@ import torch
 import transformers
 
 from export.artifact import FORMAT, FORMAT_VERSION, ArtifactError, read_manifest
-from export.onnx_export import DEFAULT_TREE, TREE_POSITION_MARGIN, export_onnx
+from export.common import DEFAULT_TREE, TREE_POSITION_MARGIN
+from export.onnx_export import export_onnx
 from export.onnx_graph import IR_VERSION, OPSET, WEIGHTS_FILE, WeightStore
 from export.verify import ParityError
 from models.config import ModelConfig

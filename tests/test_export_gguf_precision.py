@@ -10,7 +10,8 @@ gguf = pytest.importorskip("gguf")
 
 import runtime  # noqa: E402
 from eagle2 import tree_from_parents  # noqa: E402
-from export.onnx_export import ExportError, export_onnx  # noqa: E402
+from export.common import ExportError  # noqa: E402
+from export.onnx_export import export_onnx  # noqa: E402
 from models.gguf_blocks import GGUFBlocksError, from_gguf_rows, llamacpp_row_order, read_blocks  # noqa: E402
 from models.registry import load_checkpoint  # noqa: E402
 

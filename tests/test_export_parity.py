@@ -199,7 +199,7 @@ def test_hf_directory_export_matches_alias_export(tiny_hf_dir, tiny_head_dir, ti
     rc, stdout, err = export_cli(hf_dir, "--head", head_dir, "--out", out)
     assert rc == 0, err
     assert "with draft head" in stdout
-    alias = tiny_artifact(name, "fp32")
+    alias = tiny_artifact(name, "int8")  # the CLI default
     got, want = read_manifest(out), read_manifest(alias)
 
     assert got["model"]["source"] == str(hf_dir)

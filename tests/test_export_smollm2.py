@@ -52,3 +52,18 @@ def test_smollm2_with_shipped_head(smollm2_head_artifact):
     fast = gen.chat(QUESTION, max_new_tokens=20, speculative=True)
     assert "Paris" in plain.text, plain.text
     assert fast.token_ids == plain.token_ids  # greedy speculative decoding is lossless
+
+
+def test_smollm2_default_export_is_int8_and_lossless(smollm2_default_artifact):
+    """The default artifact: int8 base, 8,192-token draft vocabulary; EAGLE-2 greedy output is
+    token-identical to plain int8 decoding on MT-bench questions of every category."""
+    from runtime.prompts import load_prompts
+    manifest = read_manifest(smollm2_default_artifact)
+    assert (manifest["precision"], manifest["attention"], manifest["draft_vocab"]["size"]) == ("int8", "exact", 8192)
+    gen = runtime.load(smollm2_default_artifact)
+    for prompt in load_prompts("mtbench:1"):
+        ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+        plain = gen.generate(ids, max_new_tokens=64, speculative=False)
+        for tree in ((4, 2, 2), (12, 4, 4)):
+            spec = gen.generate(ids, max_new_tokens=64, total_tokens=tree[0], depth=tree[1], top_k=tree[2])
+            assert spec.token_ids == plain.token_ids, (prompt.category, tree)

@@ -1,9 +1,13 @@
 """Speculation is lossless only if verifying a tree computes every node exactly as plain decoding
 computes the same token: each row of a verify step must be bitwise equal to the one-token steps
 along that node's own path, whatever the step size, the tree shape and the masked keys between
-the node's ancestors. This holds for the exact attention (the default on CPU), fp32 and int8, as
-long as the step stays inside one block of the attention's key sums, which the runtime ensures."""
+the node's ancestors. This holds for ONNX artifacts with exact attention (the default on CPU), fp32
+and int8, as long as the step stays inside one block of the attention's key sums, which the runtime
+ensures; and for IPEX artifacts (bf16, weight-only int8, fp32) and plain torch ones.
+
+The IPEX cases run in .venv-ipex (ci/test_ipex.sh) and skip elsewhere."""
 import dataclasses
+import importlib.util
 
 import numpy as np
 import pytest
@@ -19,6 +23,18 @@ from models.weights import Checkpoint
 
 # Step sizes: plain decoding (1), the CPU trees, EAGLE-2's 60-token tree, and a whole key block.
 STEP_SIZES = (1, 2, 3, 4, 5, 8, 13, 16, 31, 60, 128)
+BLOCK = 128  # the trees sit at the start, middle and end of a block of cache positions
+KINDS = [("onnx", "fp32"), ("onnx", "int8"), ("torch", "bf16"), ("ipex", "fp32"), ("ipex", "bf16"), ("ipex", "int8")]
+HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
+
+
+def export(checkpoint, path, target: str, precision: str):
+    if target == "onnx":
+        export_onnx(checkpoint, path, precision, max_length=512, verify=False, log=lambda m: None)
+    else:
+        from export.torch_export import export_torch
+        export_torch(checkpoint, path, target, precision, max_length=512, verify=False, log=lambda m: None)
+    return runtime.load(path, provider="cpu" if target == "onnx" else target)
 
 
 def mha_checkpoint() -> Checkpoint:
@@ -38,11 +54,12 @@ def checkpoint(request):
     return mha_checkpoint() if request.param == "mha" else load_checkpoint(request.param)
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8"])
+@pytest.fixture(scope="module", params=KINDS, ids=[f"{t}-{p}" for t, p in KINDS])
 def generator(request, checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("bitwise") / request.param
-    export_onnx(checkpoint, path, request.param, max_length=512, verify=False, log=lambda m: None)
-    return runtime.load(path)
+    target, precision = request.param
+    if target == "ipex" and not HAS_IPEX:
+        pytest.skip("intel-extension-for-pytorch is not installed here (ci/test_ipex.sh runs these)")
+    return export(checkpoint, tmp_path_factory.mktemp("bitwise") / f"{target}-{precision}", target, precision)
 
 
 def prefill(engine, prompt):
@@ -75,11 +92,10 @@ def random_tree(rng, size, vocab):
 @pytest.mark.parametrize("size", STEP_SIZES)
 def test_every_verified_row_equals_the_token_decoded_alone(generator, size):
     engine = generator.engine
-    block = engine.key_block
     vocab = generator.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(size)
     # Contexts at the start, in the middle and at the very end of a key block, as far as the tree fits.
-    for context in sorted({block, block + (block - size) // 2, 2 * block - size}):
+    for context in sorted({BLOCK, BLOCK + (BLOCK - size) // 2, 2 * BLOCK - size}):
         prompt = rng.integers(0, vocab, context)
         tree = random_tree(rng, size, vocab)
         prefill(engine, prompt)
@@ -112,6 +128,8 @@ def test_committed_tree_path_leaves_the_cache_plain_decoding_leaves(generator):
 def test_trees_never_straddle_a_key_block(generator, monkeypatch):
     """The decoder clips each tree to the room left in the current key block."""
     engine = generator.engine
+    if engine.key_block > engine.max_length:
+        pytest.skip("this artifact's attention has no key blocks to respect")
     steps = []
     verify = engine.verify
     monkeypatch.setattr(engine, "verify", lambda tree, context: steps.append((context, len(tree.tokens))) or

@@ -3,14 +3,14 @@ steps, inside stores allocated once, keeping every cached row where the graph ex
 import numpy as np
 
 import runtime
-from runtime.session import CACHE_STEP
+from runtime.caches import CACHE_STEP
 
 
 def test_growing_and_shrinking_keeps_the_cached_rows(tiny_artifact):
     gen = runtime.load(tiny_artifact("tiny-llama", "int8"))
     base = gen.engine.base
     assert base.grows and base.capacity == CACHE_STEP
-    stores = [s.__array_interface__["data"][0] for s in base._stores]
+    stores = [s.__array_interface__["data"][0] for s in base.store._stores]
     rng = np.random.default_rng(0)
     used = CACHE_STEP - 3
     for a in base.cache_arrays():
@@ -25,8 +25,8 @@ def test_growing_and_shrinking_keeps_the_cached_rows(tiny_artifact):
     for a, b in zip(base.cache_arrays(), before):
         np.testing.assert_array_equal(a[:, :, :used], b)
     # Still the same memory: nothing was allocated.
-    assert [s.__array_interface__["data"][0] for s in base._stores] == stores
-    assert all(np.shares_memory(a, s) for a, s in zip(base.cache_arrays(), base._stores))
+    assert [s.__array_interface__["data"][0] for s in base.store._stores] == stores
+    assert all(np.shares_memory(a, s) for a, s in zip(base.cache_arrays(), base.store._stores))
 
 
 def test_generation_across_capacity_steps_is_lossless(tiny_artifact):

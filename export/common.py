@@ -1,0 +1,85 @@
+"""What every export target shares: tree defaults, stop tokens, the tokenizer, versions, the draft
+vocabulary choice, the error type."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from models.draft_vocab import DraftVocab, draft_vocab
+from models.weights import Checkpoint
+
+# Tree sizes by precision (README "Choosing the tree"): on a 2-core CPU every draft call and every
+# extra verified token costs a sizeable share of a decode step, so CPU precisions default to the
+# smallest tree measured (4/2/2 was the fastest of 4..60 tokens with the shipped SmolLM2 head);
+# fp16 targets CUDA, where EAGLE-2's own default is right.
+DEFAULT_TREE = {
+    "fp32": {"total_tokens": 4, "depth": 2, "top_k": 2},
+    "int8": {"total_tokens": 4, "depth": 2, "top_k": 2},
+    "gguf": {"total_tokens": 4, "depth": 2, "top_k": 2},
+    "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10},
+}
+# Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
+TREE_POSITION_MARGIN = 64
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+class ExportError(ValueError):
+    pass
+
+
+def stop_token_ids(ckpt: Checkpoint) -> list[int]:
+    tok = ckpt.tokenizer
+    ids = set(ckpt.cfg.eos_token_ids)
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    vocab = tok.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
+    return sorted(i for i in ids if i < ckpt.cfg.vocab_size)
+
+
+def save_tokenizer(ckpt: Checkpoint, directory: Path) -> None:
+    ckpt.tokenizer.save_pretrained(str(directory))
+    template = getattr(ckpt.tokenizer, "chat_template", None)
+    if template and not (directory / "chat_template.jinja").exists():
+        (directory / "chat_template.jinja").write_text(template)
+
+
+def versions(**extra: str) -> dict:
+    import onnx
+    import onnxruntime
+    import torch
+    import transformers
+    from importlib.metadata import version
+    return {"exporter": version("eagle2-deploy") if _installed() else "source", "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), **extra}
+
+
+def _installed() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version("eagle2-deploy")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def default_draft_precision(precision: str) -> str:
+    """The draft only proposes tokens (verification keeps the output exact), so it can be cheaper
+    than the base: every draft call reads the whole vocabulary projection, and on a CPU 8-bit
+    weights make that 2-4x faster. fp16 artifacts (for CUDA) keep fp16."""
+    return "fp16" if precision == "fp16" else "int8"
+
+
+# Draft vocabulary size by default (README "Choosing the draft vocabulary"): measured on SmolLM2.
+DEFAULT_DRAFT_VOCAB = 8192
+# The CLI's default: the fastest precision among those speculation is lossless for, on CPU.
+DEFAULT_PRECISION = "int8"
+
+
+def choose_draft_vocab(ckpt: Checkpoint, size: int | None) -> DraftVocab | None:
+    """The reduced draft vocabulary of `size` tokens, or None (the whole vocabulary) when there is
+    no head, size is 0, or the vocabulary is not larger than `size`."""
+    if ckpt.head_cfg is None or not size or size >= ckpt.cfg.vocab_size:
+        return None
+    return draft_vocab(ckpt.tokenizer, ckpt.cfg.vocab_size, ckpt.head_dir, size, stop_token_ids(ckpt))

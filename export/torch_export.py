@@ -1,0 +1,183 @@
+"""Checkpoint -> torch artifact directory: the base and draft step graphs (export/torch_graph.py)
+traced to TorchScript, frozen, with their weights inside; tokenizer and manifest as for ONNX.
+
+--target ipex optimizes them with intel-extension-for-pytorch first (bf16 weights for AMX /
+AVX512-BF16, or its weight-only int8 kernels) and needs IPEX to load; --target torch keeps plain
+PyTorch kernels and loads on CPU or CUDA. TorchScript because a frozen trace loads without this
+project's source and lets IPEX fuse its kernels; it runs each step as one graph call.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.draft_vocab import DraftVocab
+from models.llama import CausalLM, EagleHead
+from models.weights import Checkpoint
+
+from .artifact import atomic_directory, write_manifest
+from .common import DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, save_tokenizer, stop_token_ids, versions
+from .torch_graph import MAX_K, BaseStep, DraftStep
+
+PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+# The graphs are traced at this many tokens and cache positions; both stay dynamic.
+TRACE_TOKENS, TRACE_CACHE = 4, 16
+
+
+def import_ipex():
+    try:
+        import intel_extension_for_pytorch as ipex
+    except ImportError as e:
+        raise ExportError(f"--target ipex needs intel-extension-for-pytorch ({e}); it lives in its own "
+                          "environment: bash ci/install_ipex.sh, then use .venv-ipex/bin/python") from None
+    return ipex
+
+
+def woq_int8(module: torch.nn.Module, ipex) -> None:
+    """Every Linear as IPEX's weight-only int8 linear: 8-bit weights in blocks of 32, activations
+    quantized per token and block (the default mode; it computes each row independently of the
+    others, measured; the per-tensor mode does not)."""
+    from intel_extension_for_pytorch.nn.modules import WeightOnlyQuantizedLinear
+    from intel_extension_for_pytorch.quantization import WoqLowpMode, WoqWeightDtype
+    qconfig = ipex.quantization.get_weight_only_quant_qconfig_mapping(
+        weight_dtype=WoqWeightDtype.INT8, lowp_mode=WoqLowpMode.INT8, group_size=32).global_qconfig
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear):
+            child.qconfig = qconfig
+            setattr(module, name, WeightOnlyQuantizedLinear.from_float(child))
+        else:
+            woq_int8(child, ipex)
+
+
+def optimize(step: torch.nn.Module, target: str, precision: str) -> torch.nn.Module:
+    step = step.eval().to(DTYPES[precision])
+    if target == "ipex":
+        ipex = import_ipex()
+        if precision == "int8":
+            woq_int8(step, ipex)
+        else:
+            step = ipex.optimize(step, dtype=DTYPES[precision], inplace=True)
+    return step
+
+
+def trace(step: torch.nn.Module, example: tuple, path: Path) -> None:
+    with torch.inference_mode():
+        traced = torch.jit.freeze(torch.jit.trace(step, example, check_trace=False))
+    torch.jit.save(traced, str(path))
+
+
+def caches(cfg, n_layers: int, length: int) -> list[torch.Tensor]:
+    shapes = [(1, cfg.num_kv_heads, length, cfg.head_dim), (1, cfg.num_kv_heads, length, cfg.head_dim + 1)]
+    return [torch.zeros(shapes[i % 2]) for i in range(2 * n_layers)]
+
+
+def spec(file: str, cfg, n_layers: int, draft: bool) -> dict:
+    """The graph's inputs and outputs as the manifest records them (the same names as the ONNX graphs
+    with exact attention; the draft's top-k is the graph's MAX_K, of which the runtime keeps k)."""
+    f, i64 = "float32", "int64"
+    inputs = [{"name": "input_ids", "dtype": i64, "shape": [1, "T"]},
+              {"name": "position_ids", "dtype": i64, "shape": [1, "T"]},
+              {"name": "attention_bias", "dtype": f, "shape": [1, 1, "T", "total"]},
+              {"name": "logit_rows", "dtype": i64, "shape": ["R"]},
+              {"name": "cache_position", "dtype": i64, "shape": [1]}]
+    if draft:
+        inputs.append({"name": "features", "dtype": f, "shape": [1, "T", cfg.hidden_size]})
+    for i in range(n_layers):
+        inputs.append({"name": f"past_key_{i}", "dtype": f, "shape": [1, cfg.num_kv_heads, "max_length", cfg.head_dim]})
+        inputs.append({"name": f"past_value_{i}", "dtype": f,
+                       "shape": [1, cfg.num_kv_heads, "max_length", cfg.head_dim + 1]})
+    outputs = ([{"name": "hidden_states", "dtype": f, "shape": [1, "T", cfg.hidden_size]},
+                {"name": "topk_ids", "dtype": i64, "shape": [1, "R", "k"]},
+                {"name": "topk_logprobs", "dtype": f, "shape": [1, "R", "k"]}] if draft else
+               [{"name": "logits", "dtype": f, "shape": [1, "R", cfg.vocab_size]},
+                {"name": "hidden_states", "dtype": f, "shape": [1, "T", cfg.hidden_size]}])
+    return {"file": file, "inputs": inputs, "outputs": outputs}
+
+
+def build_models(ckpt: Checkpoint, n_positions: int, draft_vocab: DraftVocab | None):
+    """The models/ definitions holding the checkpoint's weights, wrapped as step graphs."""
+    cfg = ckpt.cfg
+    base = CausalLM(cfg, n_positions).eval()
+    missing = base.load_state_dict({k: v.float() for k, v in ckpt.state.items()}, strict=False).missing_keys
+    if cfg.tie_word_embeddings:
+        base.lm_head.weight = base.model.embed_tokens.weight
+    elif missing:
+        raise ExportError(f"checkpoint lacks {', '.join(missing)}")
+    steps = {"base": BaseStep(base)}
+    if ckpt.head_cfg is not None:
+        head = EagleHead(ckpt.head_cfg, n_positions).eval()
+        head.load_state_dict({k: v.float() for k, v in ckpt.head_state.items()})
+        rows = None if draft_vocab is None else torch.from_numpy(draft_vocab.ids)
+        lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size if rows is None else len(rows), bias=False)
+        with torch.no_grad():
+            lm.weight.copy_(base.lm_head.weight if rows is None else base.lm_head.weight[rows])
+        embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        with torch.no_grad():
+            embed.weight.copy_(base.model.embed_tokens.weight)
+        steps["draft"] = DraftStep(head, embed, lm, rows)
+    return steps
+
+
+def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: str = "bf16",
+                 max_length: int | None = None, verify: bool = True, overwrite: bool = False, log=print,
+                 draft_vocab: DraftVocab | None = None) -> dict:
+    if target not in PRECISIONS:
+        raise ExportError(f"unsupported target {target!r} for the torch exporter")
+    if precision not in PRECISIONS[target]:
+        raise ExportError(f"unsupported precision {precision!r} for --target {target}; choose one of "
+                          f"{', '.join(PRECISIONS[target])}")
+    cfg = ckpt.cfg
+    max_length = min(2048, cfg.max_position_embeddings) if max_length is None else max_length
+    if max_length < 16:
+        raise ExportError(f"--max-length {max_length} is too small (at least 16)")
+    n_positions = max_length + TREE_POSITION_MARGIN
+    start = time.time()
+    ipex_version = {"intel_extension_for_pytorch": import_ipex().__version__} if target == "ipex" else {}
+    with atomic_directory(out, overwrite) as tmp:
+        graphs = {}
+        t = TRACE_TOKENS
+        common = (torch.randint(0, cfg.vocab_size, (1, t)), torch.arange(t)[None], torch.zeros(1, 1, t, TRACE_CACHE),
+                  torch.arange(t), torch.zeros(1, dtype=torch.int64))
+        for name, step in build_models(ckpt, n_positions, draft_vocab).items():
+            print(f"tracing the {name} graph ({target}, {precision}) ...", file=sys.stderr)
+            draft = name == "draft"
+            layers = 1 if draft else cfg.num_layers
+            extra = (torch.zeros(1, t, cfg.hidden_size),) if draft else ()
+            trace(optimize(step, target, precision), common + extra + tuple(caches(cfg, layers, TRACE_CACHE)),
+                  tmp / f"{name}.pt")
+            graphs[name] = spec(f"{name}.pt", cfg, layers, draft)
+        save_tokenizer(ckpt, tmp / "tokenizer")
+        manifest = {
+            "model": {"source": ckpt.source, "config": cfg.to_dict()},
+            "head": None if ckpt.head_cfg is None else {"source": ckpt.head_source, "config": ckpt.head_cfg.to_dict()},
+            "target": target,
+            "precision": precision,
+            "attention": "exact",
+            "exact_key_block": None,
+            "draft_precision": None if ckpt.head_cfg is None else precision,
+            "draft_vocab": None if ckpt.head_cfg is None or draft_vocab is None else draft_vocab.describe(),
+            "draft_top_k": MAX_K,
+            "io_dtype": "float32",
+            "max_length": max_length,
+            "rotary_positions": n_positions,
+            "graphs": graphs,
+            "tree_defaults": DEFAULT_TREE.get(precision, DEFAULT_TREE["fp32"]),
+            "stop_token_ids": stop_token_ids(ckpt),
+            "tokenizer": "tokenizer",
+            "versions": versions(**ipex_version),
+        }
+        if verify:
+            from .verify import check_parity
+            diffs = check_parity(tmp, manifest, cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state,
+                                 draft_vocab=None if draft_vocab is None else draft_vocab.ids)
+            manifest["parity"] = diffs
+            log("parity vs PyTorch definition (max abs diff / max abs value): " +
+                ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        manifest["export_seconds"] = round(time.time() - start, 1)
+        write_manifest(tmp, manifest)
+    return json.loads((out / "manifest.json").read_text())

@@ -1,0 +1,142 @@
+"""Base and draft step graphs for the torch backend (IPEX or plain PyTorch), built from the models/
+definitions and traced to TorchScript by export/torch_export.py.
+
+They take the inputs of the ONNX graphs with exact attention (export/onnx_graph.py): token ids and
+explicit positions [1, T], an additive attention bias [1, 1, T, capacity] over the whole cache,
+the rows whose logits are wanted, the cache position the T new rows are written at, and the
+caches, written in place ([1, kv_heads, capacity, head_dim]; values carry a column of ones, the
+softmax denominator). The base returns logits [1, R, V] and the post-norm hidden states; the draft
+the hidden states and its top MAX_K (ids in base vocabulary, log-probs); the runtime keeps k.
+
+Attention runs in fp32 whatever the weights' precision, as products over the cache in which each
+query row is its own batch entry of a fixed number of rows, so a row's arithmetic is the same
+whatever the step size and wherever its keys sit (measured on PyTorch's CPU kernels; the bitwise
+tests check it). Linear layers are whatever the target makes of them (IPEX's bf16 and weight-only
+int8 kernels compute each row independently of the others, measured; plain fp32 GEMMs do not).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.llama import CausalLM, EagleHead, rotate
+
+from .onnx_graph import EXP_FLOOR
+
+MAX_K = 16  # top-k the draft graph returns (the runtime's largest draft branching)
+
+
+def fuse(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing several that share an input (q/k/v, gate/up), outputs concatenated."""
+    bias = linears[0].bias is not None
+    fused = nn.Linear(linears[0].in_features, sum(l.out_features for l in linears), bias=bias,
+                      dtype=linears[0].weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([l.weight for l in linears]))
+        if bias:
+            fused.bias.copy_(torch.cat([l.bias for l in linears]))
+    return fused
+
+
+class Attention(nn.Module):
+    """One decoder layer's attention over its whole cache, written in place at cache_position."""
+
+    def __init__(self, layer, cfg):
+        super().__init__()
+        a = layer.self_attn
+        self.qkv = fuse([a.q_proj, a.k_proj, a.v_proj])
+        self.o_proj = a.o_proj
+        self.heads, self.kv_heads, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group = self.heads // self.kv_heads
+        # Query rows per kv head and token: at least 3, below which PyTorch's CPU GEMM switches to
+        # other kernels (measured: 1 and 2 rows round differently from 3 and more).
+        self.rows = max(self.group, 3)
+
+    def forward(self, x, cos, sin, bias, keep, index, k_cache, v_cache):
+        t, heads, kv, d = x.shape[1], self.heads, self.kv_heads, self.d
+        q, k, v = self.qkv(x).split([heads * d, kv * d, kv * d], dim=-1)
+        q = rotate(q.view(1, t, heads, d).transpose(1, 2), cos, sin)       # [1, heads, T, d]
+        k = rotate(k.view(1, t, kv, d).transpose(1, 2), cos, sin)
+        v = v.view(1, t, kv, d).transpose(1, 2).float()
+        k_cache.index_copy_(2, index, k.float())
+        v_cache.index_copy_(2, index, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1))
+        # [T, kv, rows, d]: each token's query rows of one kv head form one small product.
+        q = q.float().view(kv, self.group, t, d).permute(2, 0, 1, 3)
+        if self.rows > self.group:
+            q = q.repeat(1, 1, -(-self.rows // self.group), 1)[:, :, :self.rows]
+        scores = torch.matmul(q, k_cache.transpose(2, 3)) * (d ** -0.5) + bias  # [T, kv, rows, capacity]
+        shifted = scores - scores.amax(dim=-1, keepdim=True)
+        probs = torch.exp(torch.clamp(shifted, min=EXP_FLOOR)) * keep
+        out = torch.matmul(probs, v_cache)                                      # [T, kv, rows, d + 1]
+        out = (out[..., :d] / out[..., d:])[:, :, :self.group]
+        return self.o_proj(out.reshape(1, t, heads * d).to(x.dtype))
+
+
+class Layer(nn.Module):
+    def __init__(self, layer, cfg, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm if input_norm else nn.Identity()
+        self.attn = Attention(layer, cfg)
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        mlp = layer.mlp
+        self.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj
+        self.inter = cfg.intermediate_size
+
+    def forward(self, x, cos, sin, bias, keep, index, k_cache, v_cache):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, bias, keep, index, k_cache, v_cache)
+        gate, up = self.gate_up(self.post_attention_layernorm(x)).split([self.inter, self.inter], dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+def step_masks(attention_bias, cache_position, t: int):
+    """The bias as [T, 1, 1, capacity] (broadcast over kv heads and rows), where it lets a key
+    through (1.0, else 0.0), and the cache positions of the T new rows."""
+    bias = attention_bias.float().view(t, 1, 1, -1)
+    keep = (bias > torch.finfo(torch.float32).min / 2).float()
+    return bias, keep, cache_position + torch.arange(t)
+
+
+class BaseStep(nn.Module):
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        cfg = model.cfg
+        self.embed = model.model.embed_tokens
+        self.rotary = model.rotary
+        self.layers = nn.ModuleList(Layer(layer, cfg) for layer in model.model.layers)
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+
+    def forward(self, input_ids, position_ids, attention_bias, logit_rows, cache_position, *caches):
+        t = input_ids.shape[1]
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        bias, keep, index = step_masks(attention_bias, cache_position, t)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, bias, keep, index, caches[2 * i], caches[2 * i + 1])
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden[:, logit_rows]).float()
+        return logits, hidden.float()
+
+
+class DraftStep(nn.Module):
+    """EAGLE-1/2 head: fc over [embedding, feature], one decoder layer without input norm, the base
+    lm_head (its rows `vocab` only, when the draft vocabulary is reduced), log-softmax and top-k."""
+
+    def __init__(self, head: EagleHead, embed: nn.Embedding, lm_head: nn.Linear, vocab: torch.Tensor | None):
+        super().__init__()
+        self.embed, self.fc, self.rotary = embed, head.fc, head.rotary
+        self.layer = Layer(head.layers[0], head.cfg, input_norm=False)
+        self.lm_head = lm_head
+        self.register_buffer("vocab", torch.arange(lm_head.out_features) if vocab is None else vocab)
+        self.k = min(MAX_K, lm_head.out_features)
+
+    def forward(self, input_ids, position_ids, attention_bias, logit_rows, cache_position, features, k_cache, v_cache):
+        t = input_ids.shape[1]
+        x = self.fc(torch.cat([self.embed(input_ids), features.to(self.embed.weight.dtype)], dim=-1))
+        cos, sin = self.rotary(position_ids, x.dtype)
+        bias, keep, index = step_masks(attention_bias, cache_position, t)
+        hidden = self.layer(x, cos, sin, bias, keep, index, k_cache, v_cache)
+        logp = torch.log_softmax(self.lm_head(hidden[:, logit_rows]).float(), dim=-1)
+        values, local = torch.topk(logp, self.k, dim=-1)
+        return hidden.float(), self.vocab[local], values
