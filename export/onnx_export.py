@@ -95,6 +95,9 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # Largest run of cache positions a verify step may cover without straddling a block of
             # the exact attention's key sums; null when the attention gives no such guarantee.
             "exact_key_block": EXACT_KEY_BLOCK if attention == "exact" else None,
+            # Whether verification computes every tree node bitwise as plain decoding does (on ONNX
+            # Runtime's CPU kernels, tested), so that greedy speculative output equals plain output.
+            "verify_exact": attention == "exact",
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
             "draft_vocab": None if ckpt.head_cfg is None or draft_vocab is None else draft_vocab.describe(),
             "io_dtype": "float16" if precision == "fp16" else "float32",

@@ -159,6 +159,9 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
             "precision": precision,
             "attention": "exact",
             "exact_key_block": None,
+            # bf16 and weight-only int8 kernels compute each row independently of the step size (tested);
+            # PyTorch's and IPEX's fp32 GEMMs round 1, 2-12 and 16+ row products differently (measured).
+            "verify_exact": precision in ("bf16", "int8"),
             "draft_precision": None if ckpt.head_cfg is None else precision,
             "draft_vocab": None if ckpt.head_cfg is None or draft_vocab is None else draft_vocab.describe(),
             "draft_top_k": MAX_K,

@@ -26,13 +26,20 @@ def head_on_chain(head, emb, tokens, features, chain):
     return out[0, -1]
 
 
+@pytest.mark.parametrize("target", ["onnx", "torch"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
-def test_every_drafted_node_matches_the_head_on_its_ancestor_chain(name, tiny_artifact, monkeypatch):
+def test_every_drafted_node_matches_the_head_on_its_ancestor_chain(name, target, tiny_artifact, monkeypatch,
+                                                                  tmp_path):
     ckpt = load_checkpoint(name)
     _, head, lm = reference_models(ckpt.cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state, "fp32", "fp32", 512)
     emb = ckpt.state["model.embed_tokens.weight"].float()
     # An fp32 draft graph: int8 rounding, amplified by a random head, would hide small errors.
-    gen = runtime.load(tiny_artifact(name, draft_precision="fp32"), threads=1)
+    if target == "onnx":
+        gen = runtime.load(tiny_artifact(name, draft_precision="fp32"), threads=1)
+    else:
+        from export.torch_export import export_torch
+        export_torch(ckpt, tmp_path / "torch", "torch", "fp32", max_length=512, verify=False, log=lambda m: None)
+        gen = runtime.load(tmp_path / "torch", provider="torch", threads=1)
     engine = gen.engine
     roots = {}  # context -> (hidden, top-k ids) of the root's draft row
     expansions = {}  # context -> [(tokens, features, mask, hidden, top-k ids)], one per step

