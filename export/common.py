@@ -79,7 +79,21 @@ DEFAULT_PRECISION = "int8"
 
 def choose_draft_vocab(ckpt: Checkpoint, size: int | None) -> DraftVocab | None:
     """The reduced draft vocabulary of `size` tokens, or None (the whole vocabulary) when there is
-    no head, size is 0, or the vocabulary is not larger than `size`."""
-    if ckpt.head_cfg is None or not size or size >= ckpt.cfg.vocab_size:
+    no head, size is 0, or the vocabulary is not larger than `size`. An EAGLE-3 head brings its own
+    draft vocabulary (its d2t map)."""
+    if ckpt.head_cfg is None or ckpt.head_cfg.eagle3 or not size or size >= ckpt.cfg.vocab_size:
         return None
     return draft_vocab(ckpt.tokenizer, ckpt.cfg.vocab_size, ckpt.head_dir, size, stop_token_ids(ckpt))
+
+
+def head_entry(ckpt: Checkpoint) -> dict | None:
+    if ckpt.head_cfg is None:
+        return None
+    return {"source": ckpt.head_source, "kind": "eagle3" if ckpt.head_cfg.eagle3 else "eagle",
+            "config": ckpt.head_cfg.to_dict()}
+
+
+def draft_vocab_entry(ckpt: Checkpoint, vocab: DraftVocab | None) -> dict | None:
+    if ckpt.head_cfg is not None and ckpt.head_cfg.eagle3:
+        return {"size": ckpt.head_cfg.draft_vocab_size, "counted_on": "the EAGLE-3 head's own d2t map"}
+    return None if ckpt.head_cfg is None or vocab is None else vocab.describe()

@@ -15,9 +15,10 @@ from models.gguf_blocks import read_blocks
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory, write_manifest
-from .common import (DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, default_draft_precision, save_tokenizer,
-                     stop_token_ids, versions)
-from .onnx_graph import ATTENTIONS, EXACT_KEY_BLOCK, PRECISIONS, WeightStore, build_base, build_draft, lm_head_name
+from .common import (DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, default_draft_precision, draft_vocab_entry,
+                     head_entry, save_tokenizer, stop_token_ids, versions)
+from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, PRECISIONS, WeightStore, build_base, build_draft,
+                         build_draft_eagle3, lm_head_name)
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
 DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
@@ -71,16 +72,24 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     state = {k: v.float().numpy() for k, v in ckpt.state.items()}
     with atomic_directory(out, overwrite) as tmp:
         store = WeightStore()
+        eagle3 = ckpt.head_cfg is not None and ckpt.head_cfg.eagle3
+        fc = ckpt.head_state["fc.weight"].float().numpy() if eagle3 else None
         with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
-            base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks)
+            base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks, fc)
         (tmp / "base.onnx").write_bytes(base.SerializeToString())
         graphs = {"base": graph_spec(base, "base.onnx")}
         if ckpt.head_cfg is not None:
-            lm = lm_head_name(cfg)
-            head_state = {k: v.float().numpy() for k, v in ckpt.head_state.items()}
-            head_state.update({"model.embed_tokens.weight": state["model.embed_tokens.weight"], lm: state[lm]})
-            draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
-                                None if draft_vocab is None else draft_vocab.ids)
+            head_state = {k: v.float().numpy() for k, v in ckpt.head_state.items() if k != "d2t"}
+            head_state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+            if eagle3:
+                head_state["eagle3_lm_head.weight"] = head_state.pop("lm_head.weight")
+                head_state["d2t"] = ckpt.head_state["d2t"].numpy()
+                draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store)
+            else:
+                lm = lm_head_name(cfg)
+                head_state[lm] = state[lm]
+                draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
+                                    None if draft_vocab is None else draft_vocab.ids)
             (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
             graphs["draft"] = graph_spec(draft, "draft.onnx")
         with tqdm(total=store.nbytes, desc="weights", unit="B", unit_scale=True, file=sys.stderr) as bar:
@@ -88,7 +97,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
         save_tokenizer(ckpt, tmp / "tokenizer")
         manifest = {
             "model": {"source": ckpt.source, "config": cfg.to_dict()},
-            "head": None if ckpt.head_cfg is None else {"source": ckpt.head_source, "config": ckpt.head_cfg.to_dict()},
+            "head": head_entry(ckpt),
             "target": "onnx",
             "precision": precision,
             "attention": attention,
@@ -99,7 +108,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # Runtime's CPU kernels, tested), so that greedy speculative output equals plain output.
             "verify_exact": attention == "exact",
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
-            "draft_vocab": None if ckpt.head_cfg is None or draft_vocab is None else draft_vocab.describe(),
+            "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "io_dtype": "float16" if precision == "fp16" else "float32",
             "max_length": max_length,
             "rotary_positions": n_positions,

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from models.config import ModelConfig
 from models.gguf_blocks import Blocks
+from models.llama import eagle3_layers
 from models.rope import cos_sin_tables
 
 OPSET = 24  # TensorScatter (in-place cache writes of the exact attention)
@@ -387,10 +388,16 @@ def lm_head_name(cfg: ModelConfig) -> str:
 
 
 def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n_positions: int,
-               store: WeightStore, progress=None, attention: str = "exact", blocks: dict | None = None) -> onnx.ModelProto:
+               store: WeightStore, progress=None, attention: str = "exact", blocks: dict | None = None,
+               eagle3_fc: np.ndarray | None = None) -> onnx.ModelProto:
     """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
     past_{key,value}_i (and cache_position with exact attention). Outputs: logits [1,R,V] (fp32),
-    hidden_states [1,T,H] (post-final-norm), present_{key,value}_i. `blocks`: precision gguf."""
+    hidden_states [1,T,H], present_{key,value}_i. `blocks`: precision gguf.
+
+    hidden_states is the feature the draft head reads: the post-final-norm hidden states for an
+    EAGLE-1/2 head; for an EAGLE-3 head (`eagle3_fc`, its fc weight [H, 3H]) the head's fc applied to
+    the inputs of the layers models.llama.eagle3_layers, concatenated, so that its draft graph reads
+    H-wide features at every depth."""
     g = Graph(store)
     b = Builder(g, precision, state, blocks)
     io = b.p.onnx_io
@@ -398,8 +405,11 @@ def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n
     x = embed(g, b, cfg)
     h = g.op("SimplifiedLayerNormalization", [x, b.param("model.layers.0.input_layernorm.weight")],
              axis=-1, epsilon=cfg.rms_norm_eps)
+    taps, fused = eagle3_layers(cfg), {}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if eagle3_fc is not None and i in taps:
+            fused[i] = x
         h, x = b.add_norm(b.attention(cfg, p, h, str(i), step), x, f"{p}post_attention_layernorm.weight",
                           cfg.rms_norm_eps)
         nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < cfg.num_layers else "model.norm.weight"
@@ -407,6 +417,8 @@ def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n
         if progress is not None:
             progress.update(1)
     g.op("Identity", [b.lm_head(h, lm_head_name(cfg))], ["logits"])
+    if eagle3_fc is not None:
+        h = b.linear(g.op("Concat", [fused[i] for i in taps], axis=-1), "eagle3_fc", eagle3_fc)
     g.op("Reshape", [h, g.const([1, -1, cfg.hidden_size])], ["hidden_states"])
     g.output("logits", TensorProto.FLOAT, [1, "R", cfg.vocab_size])
     g.output("hidden_states", io, [1, "T", cfg.hidden_size])
@@ -452,3 +464,39 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, n
     g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
     declare_cache_outputs(g, head_cfg, io, 1)
     return g.model("draft", "EAGLE-1/2 draft head: fc + one decoder layer + base lm_head, top-k inside")
+
+
+def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, np.ndarray], precision: str,
+                       n_positions: int, store: WeightStore) -> onnx.ModelProto:
+    """EAGLE-3 head, the same inputs and outputs as build_draft. `state` holds the head tensors
+    (its lm_head renamed eagle3_lm_head.weight, d2t int64) plus the base's embedding. Features are
+    H wide: the base graph's fused feature for verified positions, the head's own output for deeper
+    drafts. Top-k runs over the draft vocabulary and maps to base ids (id + d2t[id]) in the graph."""
+    g = Graph(store)
+    b = Builder(g, precision, state)
+    io = b.p.onnx_io
+    h = head_cfg.hidden_size
+    step = declare_step_inputs(g, b, head_cfg, 1, n_positions)
+    g.input("features", io, [1, "T", h])
+    g.input("top_k", TensorProto.INT64, [1])
+    feats = g.op("Reshape", ["features", g.const([-1, h])])
+
+    def norm(x: str, weight: str) -> str:
+        return g.op("SimplifiedLayerNormalization", [x, b.param(weight)], axis=-1, epsilon=head_cfg.rms_norm_eps)
+
+    x = g.op("Concat", [norm(embed(g, b, base_cfg), "midlayer.input_layernorm.weight"),
+                        norm(feats, "midlayer.hidden_norm.weight")], axis=-1)
+    h2, res = b.add_norm(b.attention(head_cfg, "midlayer.", x, "0", step), feats,
+                         "midlayer.post_attention_layernorm.weight", head_cfg.rms_norm_eps)
+    out = g.op("Add", [res, b.mlp(h2, "midlayer.")])
+    logp = g.op("LogSoftmax", [b.lm_head(norm(out, "norm.weight"), "eagle3_lm_head.weight")], axis=-1)
+    _, local = g.op("TopK", [logp, "top_k"], ["topk_logprobs", "draft_topk_ids"], axis=-1)
+    g.op("Add", [local, g.op("Gather", [g.weight("eagle3_d2t", state["d2t"].astype(np.int64)), local])],
+         ["topk_ids"])
+    g.op("Reshape", [out, g.const([1, -1, h])], ["hidden_states"])
+    g.output("hidden_states", io, [1, "T", h])
+    g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])
+    g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
+    declare_cache_outputs(g, head_cfg, io, 1)
+    return g.model("draft", "EAGLE-3 draft head: one layer over [embedding, feature], own norm and lm_head over "
+                   "a draft vocabulary, top-k inside")

@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 from models.draft_vocab import DraftVocab
-from models.llama import CausalLM, EagleHead
+from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory, write_manifest
-from .common import DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, save_tokenizer, stop_token_ids, versions
-from .torch_graph import MAX_K, BaseStep, DraftStep
+from .common import (DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, draft_vocab_entry, head_entry, save_tokenizer,
+                     stop_token_ids, versions)
+from .torch_graph import MAX_K, BaseStep, DraftStep, Eagle3DraftStep
 
 PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
@@ -108,6 +109,13 @@ def build_models(ckpt: Checkpoint, n_positions: int, draft_vocab: DraftVocab | N
         base.lm_head.weight = base.model.embed_tokens.weight
     elif missing:
         raise ExportError(f"checkpoint lacks {', '.join(missing)}")
+    if ckpt.head_cfg is not None and ckpt.head_cfg.eagle3:
+        head = Eagle3Head(ckpt.head_cfg, n_positions).eval()
+        head.load_state_dict({k: v if k == "d2t" else v.float() for k, v in ckpt.head_state.items()})
+        embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        with torch.no_grad():
+            embed.weight.copy_(base.model.embed_tokens.weight)
+        return {"base": BaseStep(base, head.fc), "draft": Eagle3DraftStep(head, embed)}
     steps = {"base": BaseStep(base)}
     if ckpt.head_cfg is not None:
         head = EagleHead(ckpt.head_cfg, n_positions).eval()
@@ -154,7 +162,7 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
         save_tokenizer(ckpt, tmp / "tokenizer")
         manifest = {
             "model": {"source": ckpt.source, "config": cfg.to_dict()},
-            "head": None if ckpt.head_cfg is None else {"source": ckpt.head_source, "config": ckpt.head_cfg.to_dict()},
+            "head": head_entry(ckpt),
             "target": target,
             "precision": precision,
             "attention": "exact",
@@ -163,7 +171,7 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
             # PyTorch's and IPEX's fp32 GEMMs round 1, 2-12 and 16+ row products differently (measured).
             "verify_exact": precision in ("bf16", "int8"),
             "draft_precision": None if ckpt.head_cfg is None else precision,
-            "draft_vocab": None if ckpt.head_cfg is None or draft_vocab is None else draft_vocab.describe(),
+            "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "draft_top_k": MAX_K,
             "io_dtype": "float32",
             "max_length": max_length,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.llama import CausalLM, EagleHead, rotate
+from models.llama import CausalLM, Eagle3Head, EagleHead, eagle3_layers, rotate
 
 from .onnx_graph import EXP_FLOOR
 
@@ -98,7 +98,10 @@ def step_masks(attention_bias, cache_position, t: int):
 
 
 class BaseStep(nn.Module):
-    def __init__(self, model: CausalLM):
+    """hidden_states out: the post-norm hidden states, or with an EAGLE-3 head's fc the fused feature
+    fc([inputs of the layers eagle3_layers]) (as export/onnx_graph.build_base)."""
+
+    def __init__(self, model: CausalLM, eagle3_fc: nn.Linear | None = None):
         super().__init__()
         cfg = model.cfg
         self.embed = model.model.embed_tokens
@@ -106,16 +109,23 @@ class BaseStep(nn.Module):
         self.layers = nn.ModuleList(Layer(layer, cfg) for layer in model.model.layers)
         self.norm = model.model.norm
         self.lm_head = model.lm_head
+        self.fc = eagle3_fc
+        self.taps = eagle3_layers(cfg) if eagle3_fc is not None else ()
 
     def forward(self, input_ids, position_ids, attention_bias, logit_rows, cache_position, *caches):
         t = input_ids.shape[1]
         x = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         bias, keep, index = step_masks(attention_bias, cache_position, t)
+        taken = {}
         for i, layer in enumerate(self.layers):
+            if i in self.taps:
+                taken[i] = x
             x = layer(x, cos, sin, bias, keep, index, caches[2 * i], caches[2 * i + 1])
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, logit_rows]).float()
+        if self.fc is not None:
+            hidden = self.fc(torch.cat([taken[i] for i in self.taps], dim=-1))
         return logits, hidden.float()
 
 
@@ -138,5 +148,39 @@ class DraftStep(nn.Module):
         bias, keep, index = step_masks(attention_bias, cache_position, t)
         hidden = self.layer(x, cos, sin, bias, keep, index, k_cache, v_cache)
         logp = torch.log_softmax(self.lm_head(hidden[:, logit_rows]).float(), dim=-1)
+        values, local = torch.topk(logp, self.k, dim=-1)
+        return hidden.float(), self.vocab[local], values
+
+
+class Eagle3DraftStep(nn.Module):
+    """EAGLE-3 head over H-wide features (see export/onnx_graph.build_draft_eagle3): attention over
+    [norm(embedding), norm(feature)], the feature as residual, MLP, its own norm and lm_head over the
+    draft vocabulary, top-k mapped to base ids."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding):
+        super().__init__()
+        mid = head.midlayer
+        self.embed, self.rotary = embed, head.rotary
+        self.input_layernorm, self.hidden_norm = mid.input_layernorm, mid.hidden_norm
+        self.attn = Attention(mid, head.cfg)
+        self.post_attention_layernorm = mid.post_attention_layernorm
+        self.gate_up = fuse([mid.mlp.gate_proj, mid.mlp.up_proj])
+        self.down = mid.mlp.down_proj
+        self.inter = head.cfg.intermediate_size
+        self.norm, self.lm_head = head.norm, head.lm_head
+        self.register_buffer("vocab", head.vocab.clone())
+        self.k = min(MAX_K, head.cfg.draft_vocab_size)
+
+    def forward(self, input_ids, position_ids, attention_bias, logit_rows, cache_position, features, k_cache, v_cache):
+        t = input_ids.shape[1]
+        emb = self.embed(input_ids)
+        feats = features.to(emb.dtype)
+        cos, sin = self.rotary(position_ids, emb.dtype)
+        bias, keep, index = step_masks(attention_bias, cache_position, t)
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feats)], dim=-1)
+        h = feats + self.attn(x, cos, sin, bias, keep, index, k_cache, v_cache)
+        gate, up = self.gate_up(self.post_attention_layernorm(h)).split([self.inter, self.inter], dim=-1)
+        hidden = h + self.down(nn.functional.silu(gate) * up)
+        logp = torch.log_softmax(self.lm_head(self.norm(hidden[:, logit_rows])).float(), dim=-1)
         values, local = torch.topk(logp, self.k, dim=-1)
         return hidden.float(), self.vocab[local], values

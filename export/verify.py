@@ -10,7 +10,7 @@ import torch
 
 from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
-from models.llama import CausalLM, EagleHead, KVCache, causal_bias
+from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, base_features, causal_bias
 from runtime.engine import open_session
 
 from .onnx_graph import dequantize_8bit, quantize_8bit
@@ -32,6 +32,9 @@ def stored_weights(state: dict[str, torch.Tensor], precision: str) -> dict[str, 
     graph holds the checkpoint's own values (the GGUF's blocks, which it was dequantized from)."""
     out = {}
     for name, t in state.items():
+        if not t.is_floating_point():  # an EAGLE-3 head's d2t map
+            out[name] = t
+            continue
         t = t.float()
         if precision == "fp16":
             t = t.half().float()
@@ -55,7 +58,7 @@ def reference_models(cfg, state, head_cfg, head_state, precision, draft_precisio
     base.lm_head.weight = torch.nn.Parameter(stored_weights({"lm_head.weight": lm}, precision)["lm_head.weight"])
     if head_cfg is None:
         return base, None, None
-    head = EagleHead(head_cfg, n_positions).eval()
+    head = (Eagle3Head if head_cfg.eagle3 else EagleHead)(head_cfg, n_positions).eval()
     head.load_state_dict(stored_weights(head_state, draft_precision))
     return base, head, stored_weights({"lm_head.weight": lm}, draft_precision)["lm_head.weight"]
 
@@ -110,7 +113,14 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
             rows = np.arange(ids.shape[1])
             out = base.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
                             "logit_rows": rows})
-            logits, hidden = base_ref(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(bias), cache, start)
+            if head_cfg is not None and head_cfg.eagle3:
+                # The base graph outputs the head's fc of the fused layer inputs, in the base's precision.
+                logits, aux = base_features(base_ref, torch.from_numpy(ids), torch.from_numpy(pos),
+                                            torch.from_numpy(bias), cache, start)
+                hidden = aux @ stored_weights({"fc.weight": head_state["fc.weight"]}, precision)["fc.weight"].T
+            else:
+                logits, hidden = base_ref(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(bias), cache,
+                                          start)
             record("base.logits", out["logits"], logits)
             record("base.hidden_states", out["hidden_states"], hidden)
             features.append(hidden)
@@ -120,7 +130,7 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
             draft = open_session(artifact, manifest["graphs"]["draft"], provider, "cpu", cache_len, max(prefill, tree),
                                  64, None)
             dcache = KVCache(head_cfg, cache_len)
-            k = min(8, cfg.vocab_size)
+            k = min(8, head_cfg.draft_vocab_size if head_cfg.eagle3 else cfg.vocab_size)
             top_k = np.array([k], np.int64)
             for (ids, pos, bias, start), feats in zip(steps, features):
                 out = draft.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
@@ -128,8 +138,12 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
                                  "logit_rows": np.arange(ids.shape[1])}, k=k)
                 h = head_ref(base_ref.model.embed_tokens(torch.from_numpy(ids)), feats, torch.from_numpy(pos),
                              torch.from_numpy(bias), dcache, start)
-                vocab = torch.arange(draft_lm.shape[0]) if draft_vocab is None else torch.from_numpy(draft_vocab)
-                logp = torch.log_softmax(h.float() @ draft_lm[vocab].T, -1)
+                if head_cfg.eagle3:
+                    vocab = head_ref.vocab
+                    logp = torch.log_softmax(head_ref.logits(h).float(), -1)
+                else:
+                    vocab = torch.arange(draft_lm.shape[0]) if draft_vocab is None else torch.from_numpy(draft_vocab)
+                    logp = torch.log_softmax(h.float() @ draft_lm[vocab].T, -1)
                 record("draft.hidden_states", out["hidden_states"], h)
                 record("draft.topk_logprobs", out["topk_logprobs"], logp.topk(k, -1).values)
                 if not np.isin(out["topk_ids"], vocab.numpy()).all():

@@ -34,6 +34,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     fc_bias: bool = True  # EAGLE head only: bias of fc over [embedding, feature]
+    draft_vocab_size: int = 0  # EAGLE-3 head only: the size of its own vocabulary (d2t maps it to the base's)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -98,6 +99,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias or bool(hf.get("qkv_bias", False)),
             o_bias=attention_bias,
             fc_bias=bool(hf.get("bias", True)),
+            draft_vocab_size=int(hf.get("draft_vocab_size") or 0),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
         )
@@ -126,4 +128,11 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             d["attention_bias"] = self.o_bias
+        if self.draft_vocab_size:
+            d["draft_vocab_size"] = self.draft_vocab_size
         return d
+
+    @property
+    def eagle3(self) -> bool:
+        """An EAGLE-3 head's config (it has its own draft vocabulary)."""
+        return self.draft_vocab_size > 0

@@ -44,13 +44,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, in_features: int | None = None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
+        i = in_features or h
         self.cfg = cfg
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.kv_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.q_proj = nn.Linear(i, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(i, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(i, cfg.kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, bias, k_cache, v_cache, start: int):
@@ -154,6 +155,80 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((token_embeds, features.to(token_embeds.dtype)), dim=-1))
         cos, sin = self.rotary(position_ids, x.dtype)
         return self.layers[0](x, cos, sin, attention_bias, cache.k[0], cache.v[0], start)
+
+
+def eagle3_layers(cfg: ModelConfig) -> tuple[int, int, int]:
+    """The base layers whose inputs an EAGLE-3 head fuses (low, middle, high): 2, L // 2 and L - 3, as
+    the reference implementation takes them (kept inside shallower test models)."""
+    n = cfg.num_layers
+    return min(2, n - 1), n // 2, max(n - 3, 0)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over [norm(token embedding), norm(hidden)] (2H wide), the
+    hidden as residual, then the usual MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, bias, k_cache, v_cache, start):
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, bias, k_cache, v_cache, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 draft head (arXiv 2503.01840): fc fuses the base's low, middle and high hidden states
+    (3 x target hidden) into one feature; one Eagle3Layer; its own final norm and lm_head over a
+    draft vocabulary of draft_vocab_size tokens, base id = draft id + d2t[draft id].
+
+    forward takes either the fused base features (3H wide, at the verified positions) or its own
+    previous output (H wide, for deeper drafts) and returns the layer's output before the norm."""
+
+    def __init__(self, cfg: ModelConfig, n_positions: int | None = None, target_hidden: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * (target_hidden or cfg.hidden_size), cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.rotary = Rotary(cfg, n_positions or cfg.max_position_embeddings)
+
+    def forward(self, token_embeds, features, position_ids, attention_bias, cache: KVCache, start: int):
+        hidden = features.to(token_embeds.dtype)
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)
+        cos, sin = self.rotary(position_ids, token_embeds.dtype)
+        return self.midlayer(token_embeds, hidden, cos, sin, attention_bias, cache.k[0], cache.v[0], start)
+
+    def logits(self, hidden):
+        """Logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+    @property
+    def vocab(self) -> torch.Tensor:
+        """The base ids of the draft vocabulary, ascending."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+
+def base_features(base: "CausalLM", input_ids, position_ids, attention_bias, cache: KVCache, start: int):
+    """(logits, EAGLE-3 feature input [B, T, 3H]: the inputs of eagle3_layers, concatenated)."""
+    x = base.model.embed_tokens(input_ids)
+    cos, sin = base.rotary(position_ids, x.dtype)
+    taps = eagle3_layers(base.cfg)
+    taken = {}
+    for i, layer in enumerate(base.model.layers):
+        if i in taps:
+            taken[i] = x
+        x = layer(x, cos, sin, attention_bias, cache.k[i], cache.v[i], start)
+    hidden = base.model.norm(x)
+    return base.lm_head(hidden).float(), torch.cat([taken[i] for i in taps], dim=-1)
 
 
 def additive_bias(allowed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

