@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh
+bash ci/install_serve.sh --ray     # else tests/test_server*.py skip
 . .venv/bin/activate
 python -m pytest -q "$@"
 bash ci/test_openvino.sh
+bash ci/test_ipex.sh

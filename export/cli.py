@@ -28,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m export", description="Export a model and its EAGLE draft head.")
     p.add_argument("model", nargs="?", help="alias (see --list), HF model directory, .gguf file or hub id")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--head", help="EAGLE-1/2 head directory or hub id (default: the alias's head)")
+    g.add_argument("--head", help="EAGLE-1/2 or EAGLE-3 head directory or hub id (default: the alias's head)")
     g.add_argument("--no-head", action="store_true", help="export the base graph alone")
     p.add_argument("--out", type=Path, help="artifact directory (default: artifacts/<name>, "
                    "artifacts/<name>-<precision> for other than the default precision)")

@@ -13,7 +13,7 @@ from .engine import Engine
 from .generation import Decoder, Settings
 from .session import check_provider
 from .torch_session import TORCH_PROVIDERS
-from .tokenizer import ChatTokenizer, StreamDecoder
+from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
 from .tune import read_tuning
 
 
@@ -21,7 +21,7 @@ from .tune import read_tuning
 class GenerationOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str                 # "stop" (end-of-turn/eos token) or "length"
+    finish_reason: str                 # "stop" (end-of-turn/eos token or a stop string), "length" or "cancelled"
     accept_lengths: list[int]          # tokens per verify cycle, bonus included (EAGLE's tau)
     timings: dict = field(default_factory=dict)
 
@@ -61,6 +61,10 @@ class Generator:
     @property
     def max_length(self) -> int:
         return self.engine.max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["model"]["config"]["vocab_size"]
 
     def describe_default(self) -> str:
         """Which decoding a call without tree arguments gets, and where that choice comes from."""
@@ -109,7 +113,7 @@ class Generator:
         finally:
             self._release()
 
-    def _output(self, decoder: Decoder, token_ids: list[int]) -> GenerationOutput:
+    def _output(self, decoder: Decoder, token_ids: list[int], text: str) -> GenerationOutput:
         st = decoder.stats
         t = dict(self.engine.timings)
         t["host"] = max(st.total_s - sum(t.values()), 0.0)
@@ -117,42 +121,87 @@ class Generator:
         t["first_token"] = st.first_token_s
         decode_s = st.total_s - st.first_token_s
         t["tokens_per_s"] = (len(token_ids) - 1) / decode_s if decode_s > 0 and len(token_ids) > 1 else 0.0
-        return GenerationOutput(text=self.tokenizer.decode(token_ids), token_ids=token_ids,
+        return GenerationOutput(text=text, token_ids=token_ids,
                                 finish_reason=decoder.finish_reason, accept_lengths=st.accept_lengths, timings=t)
 
     def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
-                 seed: int | None = None) -> GenerationOutput:
+                 seed: int | None = None, stop: list[str] | str | None = None,
+                 cancel: threading.Event | None = None) -> GenerationOutput:
         """Generate from a prompt string or token ids. speculative=None uses the head when there is one.
         total_tokens / depth / top_k shape the draft tree (None = the artifact's defaults);
-        temperature > 0 samples (with top_p and sampling_top_k), losslessly in both modes."""
-        settings = self._settings(max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
-                                  sampling_top_k, seed)
-        tokens, decoder = [], None
-        for new, decoder in self._run(prompt, settings):
-            tokens.extend(new)
-        return self._output(decoder, tokens)
+        temperature > 0 samples (with top_p and sampling_top_k), losslessly in both modes. `stop`:
+        strings that end the reply (cut before them, finish_reason "stop"); `cancel`: an event
+        that ends the generation at the next cycle (finish_reason "cancelled")."""
+        events = self.events(prompt, max_new_tokens=max_new_tokens, speculative=speculative,
+                             total_tokens=total_tokens, depth=depth, top_k=top_k, temperature=temperature,
+                             top_p=top_p, sampling_top_k=sampling_top_k, seed=seed, stop=stop, cancel=cancel)
+        while True:
+            try:
+                next(events)
+            except StopIteration as done:
+                return done.value
 
     def stream(self, prompt, **kwargs):
         """Yield text deltas as tokens are accepted; the same keyword arguments as generate().
         When exhausted, the generator returns the GenerationOutput (StopIteration.value)."""
+        events = self.events(prompt, **kwargs)
+        while True:
+            try:
+                delta, _ = next(events)
+            except StopIteration as done:
+                return done.value
+            if delta:
+                yield delta
+
+    def events(self, prompt, **kwargs):
+        """Yield (text delta, new token ids) per decoding cycle, the same keyword arguments as
+        generate(); return the GenerationOutput. Closing it early ends the generation. Text is held
+        back while it may be an incomplete character or the start of a stop string, so the deltas
+        joined are always the output's text."""
+        stop, cancel = kwargs.pop("stop", None), kwargs.pop("cancel", None)
         settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
                                   kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
                                   kwargs.pop("top_k", None), kwargs.pop("temperature", 0.0),
                                   kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
-        text, tokens, decoder = StreamDecoder(self.tokenizer), [], None
-        for new, decoder in self._run(prompt, settings):
-            tokens.extend(new)
-            delta = text.push(new)
-            if delta:
-                yield delta
-        tail = text.push([], final=True)
-        if tail:
-            yield tail
-        return self._output(decoder, tokens)
+        text = StreamDecoder(self.tokenizer)
+        stops = StopStrings([stop] if isinstance(stop, str) else list(stop or []))
+        tokens, released, decoder = [], [], None
+        run = self._run(prompt, settings)
+        try:
+            for new, decoder in run:
+                if cancel is not None and cancel.is_set():
+                    decoder.finish("cancelled")
+                    break
+                before = len(tokens)
+                tokens.extend(new)
+                delta = stops.push(text.push(new))
+                released.append(delta)
+                if stops.hit:
+                    del tokens[self._stop_end(tokens, before, stops.stops):]
+                    decoder.finish("stop")
+                    yield delta, tokens[before:]
+                    break
+                yield delta, new
+        finally:
+            run.close()  # releases the generator's lock now, also when the caller closes us early
+        if not stops.hit:
+            tail = stops.push(text.push([], final=True)) + stops.flush()
+            released.append(tail)
+            if tail:
+                yield tail, []
+        return self._output(decoder, tokens, "".join(released))
+
+    def _stop_end(self, tokens: list[int], before: int, stops: list[str]) -> int:
+        """How many tokens to keep: up to the one whose text completes a stop string."""
+        for k in range(before + 1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:k])
+            if any(s in text for s in stops):
+                return k
+        return len(tokens)
 
     def chat(self, messages: list[dict], stream: bool = False, **kwargs):
         """Apply the chat template (with the assistant prompt) and generate the reply."""

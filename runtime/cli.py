@@ -87,7 +87,11 @@ def main(argv=None) -> int:
         from .tune import main as tune
         return tune(argv[1:])
     if argv[:1] == ["serve"]:
-        from .server import main as serve
+        try:
+            from .serve.main import main as serve
+        except ImportError as e:       # the serve extra is not installed
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return serve(argv[1:])
     a = parser().parse_args(argv)
     import runtime

@@ -155,6 +155,10 @@ class Decoder:
                 break
         yield out
 
+    def finish(self, reason: str) -> None:
+        """End the generation early (a stop string, a cancelled request)."""
+        self._finish(reason)
+
     def _finish(self, reason: str) -> None:
         # Timed here, before the last tokens reach the caller, so a slow consumer is not counted.
         self.finish_reason = reason

@@ -66,3 +66,37 @@ class StreamDecoder:
             return ""
         delta, self.emitted = text[self.emitted:], len(text)
         return delta
+
+
+class StopStrings:
+    """Feed text deltas; get back what is safe to release and whether a stop string was reached.
+    Holds back the longest tail that could still become a stop string, so a stop string split
+    across deltas is never half-released; the text is cut where the first one starts."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.hit = False
+
+    def push(self, delta: str) -> str:
+        if not self.stops:
+            return delta
+        self.pending += delta
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit = True
+            out, self.pending = self.pending[:min(found)], ""
+            return out
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = n
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

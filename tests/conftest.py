@@ -246,3 +246,23 @@ def tiny_eagle3_head_dir(_export_root):
         return cache[key]
 
     return make
+
+
+# =================================================================================================
+# Server fixtures (tests/test_server*.py)
+#
+#   long_prompt(gen, need) -> str
+#       session-scoped: a raw prompt whose greedy continuation on Generator `gen` runs at least
+#       `need` tokens without a stop token (to keep a worker busy); fails the test when no
+#       candidate does.
+# =================================================================================================
+
+@pytest.fixture(scope="session")
+def long_prompt():
+    def find(gen, need: int) -> str:
+        for prompt in ("The quick brown fox", "hello hello hello", "xyz", "Once upon a time", "aaaa", "1 2 3 4 5"):
+            if gen.generate(prompt, max_new_tokens=need).finish_reason == "length":
+                return prompt
+        pytest.fail("no candidate prompt generates long enough on this tiny model; add one")
+
+    return find

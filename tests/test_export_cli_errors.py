@@ -162,7 +162,7 @@ def case_head_vocab_mismatch(tmp_path, tiny_hf_dir, tiny_head_dir):
 
 def case_head_with_two_layers(tmp_path, tiny_hf_dir, tiny_head_dir):
     head = tiny_head_dir("tiny-llama", num_layers=2)
-    return [tiny_hf_dir("tiny-llama"), "--head", head], ["has 2 layers", "EAGLE-1/2 heads have 1"]
+    return [tiny_hf_dir("tiny-llama"), "--head", head], ["has 2 layers", "EAGLE heads have 1"]
 
 
 def case_head_weights_disagree_with_config(tmp_path, tiny_hf_dir, tiny_head_dir):

@@ -69,6 +69,62 @@ def test_stream_and_chat_match_generate(gen):
     assert chat.token_ids == gen.generate(ids, max_new_tokens=12).token_ids
 
 
+def test_stop_strings_cut_the_text_and_the_tokens(gen):
+    plain = gen.generate("hello", max_new_tokens=40, speculative=False)
+    text = plain.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    for speculative in (False, True):
+        out = gen.generate("hello", max_new_tokens=40, speculative=speculative, stop=["\x00never", stop])
+        assert out.finish_reason == "stop"
+        assert out.text == text[: text.index(stop)]
+        # The tokens end with the one that completed the stop string, no further.
+        assert out.token_ids == plain.token_ids[: len(out.token_ids)]
+        assert stop in gen.tokenizer.decode(out.token_ids)
+        assert stop not in gen.tokenizer.decode(out.token_ids[:-1])
+        assert "".join(gen.stream("hello", max_new_tokens=40, speculative=speculative, stop=stop)) == out.text
+
+
+def test_stop_strings_split_across_deltas_are_held_back():
+    from runtime.tokenizer import StopStrings
+    stops = StopStrings(["END", "xyz"])
+    released = [stops.push(d) for d in ("abc E", "N", "D tail")]
+    assert released == ["abc ", "", ""] and stops.hit
+    stops = StopStrings(["END"])
+    assert stops.push("abc EN") == "abc " and stops.push("d") == "ENd" and not stops.hit
+    assert stops.push("E") == "" and stops.flush() == "E"
+
+
+def test_events_carry_text_and_token_deltas(gen):
+    events = gen.events("hello there", max_new_tokens=30)
+    texts, ids = [], []
+    with pytest.raises(StopIteration) as done:
+        while True:
+            delta, new = next(events)
+            texts.append(delta)
+            ids.extend(new)
+    out = done.value.value
+    assert "".join(texts) == out.text and ids == out.token_ids
+    assert out.token_ids == gen.generate("hello there", max_new_tokens=30).token_ids
+
+
+def test_cancel_ends_the_generation_and_frees_the_generator(gen):
+    cancel = threading.Event()
+    events = gen.events("hello", max_new_tokens=200, cancel=cancel)
+    next(events)
+    cancel.set()
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(events)
+    out = done.value.value
+    assert out.finish_reason == "cancelled" and len(out.token_ids) < 200
+    # Closing a stream early releases the generator for the next call at once.
+    stream = gen.stream("hello", max_new_tokens=100)
+    next(stream)
+    stream.close()
+    assert len(gen.generate("hello", max_new_tokens=3).token_ids) == 3
+
+
 def test_bad_generation_arguments(gen):
     with pytest.raises(ValueError, match="max_new_tokens"):
         gen.generate("x", max_new_tokens=0)

@@ -1,0 +1,194 @@
+"""N Generators behind a bounded FIFO. Each generation runs in a worker thread (ONNX Runtime
+releases the GIL) and its text deltas travel to the event loop through an asyncio.Queue."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..api import load
+from ..generation import PromptTooLongError
+from .schema import RETRY_AFTER_S, APIError, shutting_down
+
+log = logging.getLogger("runtime.serve")
+
+
+@dataclass(eq=False)                   # compared and hashed by identity (kept in a set)
+class Job:
+    prompt_ids: list[int]
+    kwargs: dict                       # for Generator.events, all but cancel
+    user: str | None = None            # the request's "user" field (the tests' fault_hook keys on it)
+    # Set when nobody waits for the answer any more; the runtime ends the generation at its next cycle.
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str                 # "stop" | "length"
+    completion_tokens: int
+    eagle: dict                        # the response's "eagle" extension
+
+
+def _eagle_stats(out, worker: int, replica: str) -> dict:
+    t = out.timings
+    return {"tau": round(out.mean_accept_length, 4), "prefill_ms": round(t.get("prefill", 0) * 1e3, 3),
+            "draft_ms": round(t.get("draft", 0) * 1e3, 3), "verify_ms": round(t.get("verify", 0) * 1e3, 3),
+            "tokens_per_s": round(t.get("tokens_per_s", 0.0), 3), "worker": worker, "replica": replica}
+
+
+def worker_error(e: Exception) -> APIError:
+    """A worker's exception as its request's answer: the runtime's ValueErrors are the client's fault
+    (bad settings, a prompt too long), anything else is ours."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, PromptTooLongError):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    log.error("generation failed", exc_info=e)
+    return APIError(500, f"the generation failed: {type(e).__name__}", type="server_error", code="internal_error")
+
+
+class WorkerPool:
+    """N Generators, each used by one job at a time, and a bounded FIFO of jobs waiting for one."""
+
+    def __init__(self, generators: list, max_queue: int, replica: str | None = None,
+                 fault_hook: Callable[[Job], None] | None = None):
+        if not generators:
+            raise ValueError("a WorkerPool needs at least one Generator")
+        self.generators = generators
+        self.max_queue = max_queue
+        self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
+        self.fault_hook = fault_hook   # called in the worker thread before generating (tests inject faults)
+        self._executor = ThreadPoolExecutor(len(generators), thread_name_prefix="eagle2-worker")
+        self._idle: asyncio.Queue = asyncio.Queue()
+        for i in range(len(generators)):
+            self._idle.put_nowait(i)
+        self.waiting = 0               # requests queued for a worker
+        self.busy = 0                  # workers running a job
+        self.cancelled = 0             # generations ended by their cancel event
+        self._count_lock = threading.Lock()
+        self.jobs: set[Job] = set()    # jobs holding a worker
+
+    @property
+    def tokenizer(self):
+        return self.generators[0].tokenizer
+
+    @property
+    def max_length(self) -> int:
+        return self.generators[0].max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.generators[0].vocab_size
+
+    @property
+    def closed(self) -> bool:
+        return self._executor._shutdown
+
+    async def _acquire(self) -> int:
+        if self._idle.empty() and self.waiting >= self.max_queue:
+            raise APIError(429, f"the server is busy ({self.busy} generating, {self.waiting} queued); retry later",
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.waiting += 1
+        try:
+            return await self._idle.get()
+        finally:
+            self.waiting -= 1
+
+    def _release(self, worker: int, job: Job) -> None:
+        self.busy -= 1
+        self.jobs.discard(job)
+        self._idle.put_nowait(worker)
+
+    async def run(self, job: Job) -> AsyncIterator[tuple]:
+        """Yield ("delta", text) events, then one ("end", Result) or ("error", exception).
+        Closing this iterator early cancels the generation."""
+        worker = await self._acquire()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:       # the loop is gone (hard shutdown): nobody is listening
+                pass
+
+        self.busy += 1
+        self.jobs.add(job)
+        try:
+            future = loop.run_in_executor(self._executor, self._generate, worker, job, emit)
+        except BaseException:          # e.g. the executor is shut down: give the worker back
+            self._release(worker, job)
+            raise
+        # Not before: the worker thread may still be inside the Generator after a cancel.
+        future.add_done_callback(lambda _: self._release(worker, job))
+        try:
+            while True:
+                event = await events.get()
+                # Deltas that piled up while the event loop was busy go out as one chunk: fewer sends.
+                while event[0] == "delta" and not events.empty():
+                    following = events.get_nowait()
+                    if following[0] != "delta":
+                        yield event
+                        event = following
+                        break
+                    event = ("delta", event[1] + following[1])
+                yield event
+                if event[0] != "delta":
+                    return
+        finally:
+            job.cancel.set()           # no effect once finished; stops a generation nobody waits for
+
+    def _generate(self, worker: int, job: Job, emit) -> None:
+        """Runs in a worker thread. Every outcome reaches the event loop as one final event, so the
+        request's handler never waits for nothing."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(job)
+            events = self.generators[worker].events(job.prompt_ids, cancel=job.cancel, **job.kwargs)
+            while True:
+                try:
+                    delta, _ = next(events)
+                except StopIteration as done:
+                    out = done.value
+                    break
+                if delta:
+                    emit(("delta", delta))
+        except Exception as e:         # reported to this request only; the worker keeps serving
+            emit(("error", e))
+            return
+        if out.finish_reason == "cancelled":
+            with self._count_lock:
+                self.cancelled += 1
+            log.info("worker %d: generation cancelled after %d token(s) (client gone or shutdown)", worker,
+                     len(out.token_ids))
+            # Normally nobody reads this: a cancel means the request's handler has gone.
+            emit(("error", shutting_down()))
+            return
+        stats = _eagle_stats(out, worker, self.replica)
+        emit(("end", Result(out.text, out.finish_reason, len(out.token_ids), stats)))
+
+    def cancel_all(self) -> int:
+        for job in list(self.jobs):
+            job.cancel.set()
+        return len(self.jobs)
+
+    def shutdown(self) -> None:
+        self.cancel_all()
+        self._executor.shutdown(wait=True)
+
+
+def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max_length: int | None = None,
+              threads: int | None = None, replica: str | None = None, fault_hook=None) -> WorkerPool:
+    """N Generators, each with its own graphs and caches; threads per worker default to cores / N."""
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    gens = [load(artifact, provider=provider, max_length=max_length, threads=threads) for _ in range(workers)]
+    return WorkerPool(gens, max_queue, replica=replica, fault_hook=fault_hook)

@@ -1,0 +1,142 @@
+"""OpenAI's response objects and chunks, server-sent events, and noticing a client that left."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import Response
+
+from .pool import Result
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was complete."""
+
+
+def mark_gone(scope) -> None:
+    """Tell the request-counting middleware to count this request as 499."""
+    scope.setdefault("state", {})["client_gone"] = True
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Shape:
+    """The JSON objects of one endpoint (chat or completions) for one request."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def full(self, result: Result, prompt_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                      "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(prompt_tokens, result.completion_tokens), "eagle": result.eagle}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _watch_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request, awaitable):
+    """Await `awaitable` unless the client disconnects first (then cancel it and raise ClientGone).
+    Only while nothing else reads the request's receive channel."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_watch_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            mark_gone(request.scope)
+            raise ClientGone()
+    return work.result()
+
+
+def event_stream(body: AsyncIterator[bytes], headers: dict, on_gone: Callable[[], None]) -> Response:
+    """A server-sent-events response that stops its producer when the client disconnects, whatever
+    ASGI spec version the server speaks (Starlette's StreamingResponse only listens below 2.4)."""
+    class EventStream(Response):
+        media_type = "text/event-stream"
+
+        def __init__(self):
+            super().__init__(status_code=200)
+            self.body_iter, self.extra_headers = body, headers
+
+        async def __call__(self, scope, receive, send):
+            def gone():
+                mark_gone(scope)
+                on_gone()
+
+            headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                       (b"x-accel-buffering", b"no")]
+            headers += [(k.lower().encode(), str(v).encode()) for k, v in self.extra_headers.items()]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            producer = asyncio.ensure_future(self._produce(send, gone))
+            watcher = asyncio.ensure_future(_watch_disconnect(receive))
+            try:
+                await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watcher.cancel()
+                if not producer.done():
+                    producer.cancel()
+                    with contextlib.suppress(BaseException):
+                        await producer
+                    gone()
+            if producer.done() and not producer.cancelled() and producer.exception():
+                raise producer.exception()
+
+        async def _produce(self, send, gone):
+            try:
+                async for data in self.body_iter:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:                # ASGI 2.4 servers: the client is gone
+                gone()
+            finally:
+                await self.body_iter.aclose()
+
+    return EventStream()

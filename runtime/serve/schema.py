@@ -1,0 +1,177 @@
+"""What a request may say: OpenAI's request bodies as strict models, APIError (OpenAI's error shape
+with its HTTP status), and the translation of a valid request into the runtime's arguments."""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_MAX_TOKENS = 256       # when a request names no max_tokens
+RETRY_AFTER_S = 1              # what a 429 / 503 tells the client to wait
+MAX_STOPS = 16                 # OpenAI's own limit is 4; more costs nothing here
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+# Strict, as OpenAI's API is: "0.5" is not a float, 1.0 is not an int, 1 is not a bool. Unknown
+# fields are ignored (clients send many); known ones this server cannot honour are refused (_ONLY).
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ContentPart(Strict):
+    type: str
+    text: str | None = None
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class Common(Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)       # OpenAI's default and range
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatRequest(Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(Common):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int = 1
+    suffix: str | None = None
+
+
+# Any other value would change the answer in a way this server cannot honour: refused rather than
+# silently ignored.
+_ONLY = {
+    "n": ((1,), "n must be 1: this server returns one choice per request"),
+    "best_of": ((1,), "best_of must be 1"),
+    "logprobs": ((None, False), "logprobs are not supported by this server"),
+    "top_logprobs": ((None, 0), "top_logprobs are not supported by this server"),
+    "echo": ((False,), "echo is not supported by this server"),
+    "suffix": ((None, ""), "suffix is not supported by this server"),
+    "tools": ((None, []), "tools are not supported by this server"),
+    "logit_bias": ((None, {}), "logit_bias is not supported by this server"),
+    "presence_penalty": ((0.0,), "presence_penalty is not supported by this server (only 0)"),
+    "frequency_penalty": ((0.0,), "frequency_penalty is not supported by this server (only 0)"),
+}
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the member of a Union in an error's location ('str', 'list[int]'): not a field."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none", "dict", "list"} or "[" in part
+                                      or part[:1].isupper())
+
+
+def parse_request(kind, data):
+    """Validate a decoded JSON body; raise APIError 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p)) or None
+        message = f"invalid value for '{param}': {first['msg']}" if param else first["msg"]
+        raise APIError(400, message, param=param, code="invalid_value") from None
+    for name, (allowed, why) in _ONLY.items():
+        if name in kind.model_fields and getattr(req, name) not in allowed:
+            raise APIError(400, why, param=name, code="unsupported_value")
+    return req
+
+
+def _message_text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"content parts of type '{part.type}' are not supported (text only)",
+                           param="messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_prompt(tokenizer, messages) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    plain = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(plain)
+    except Exception as e:             # jinja's raise_exception() in templates that refuse a role order
+        raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def completion_prompt(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def check_prompt(ids: list[int], max_length: int, vocab_size: int) -> None:
+    """Refused here, before the request waits for a worker, rather than by the worker."""
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if len(ids) >= max_length:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {max_length} tokens and "
+                       "must leave room for at least one new token", param="messages",
+                       code="context_length_exceeded")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+
+
+def generation_kwargs(req, max_tokens: int | None) -> dict:
+    """Keyword arguments for Generator.events (all but cancel)."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings", param="stop")
+    return dict(max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
+                seed=req.seed, stop=stops)
