@@ -65,9 +65,11 @@ from tqdm import tqdm
 from export.artifact import sha256
 
 from .config import ModelConfig
-from .llama import CausalLM, EagleHead, KVCache, additive_bias, causal_bias
+from .llama import CausalLM, Eagle3Head, EagleHead, additive_bias, causal_bias, eagle3_layers
 from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
                          write_dev_prompts)
+from .train_eagle3 import eagle3_losses, new_eagle3_head, reply_counts, save_eagle3_head
+from .unroll import new_cache, unrolled_forward
 from .weights import load_head
 
 CACHE_VERSION = 2
@@ -78,15 +80,6 @@ DISTILL_POOL = 96
 
 
 # ----------------------------------------------------------------------------------------- models
-
-def new_cache(cfg: ModelConfig, max_len: int, batch: int, device, layers: int | None = None) -> KVCache:
-    cache = KVCache.__new__(KVCache)
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    n = cfg.num_layers if layers is None else layers
-    cache.k = [torch.zeros(shape, device=device) for _ in range(n)]
-    cache.v = [torch.zeros(shape, device=device) for _ in range(n)]
-    return cache
-
 
 def build_base(ckpt, n_positions: int, device) -> CausalLM:
     base = CausalLM(ckpt.cfg, n_positions)
@@ -104,13 +97,18 @@ def head_config(cfg: ModelConfig) -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
-def base_hidden(base: CausalLM, ids, pos, bias, cache, start: int):
-    """Post-final-norm hidden states without the (large) lm_head."""
+def base_hidden(base: CausalLM, ids, pos, bias, cache, start: int, taps: tuple[int, ...] = ()):
+    """The head's training features without the (large) lm_head: the post-final-norm hidden states,
+    preceded for an EAGLE-3 head by the inputs of the base layers `taps`, concatenated. The
+    post-norm state is always last, so features[..., -H:] gives the base's next-token logits."""
     x = base.model.embed_tokens(ids)
     cos, sin = base.rotary(pos, x.dtype)
+    taken = {}
     for i, layer in enumerate(base.model.layers):
+        if i in taps:
+            taken[i] = x
         x = layer(x, cos, sin, bias, cache.k[i], cache.v[i], start)
-    return base.model.norm(x)
+    return torch.cat([taken[i] for i in taps] + [base.model.norm(x)], dim=-1)
 
 
 # ------------------------------------------------------------------------------------ feature cache
@@ -214,7 +212,7 @@ def past(deadline: float | None) -> bool:
 
 @torch.inference_mode()
 def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: str, batch_tokens: int,
-            shard_tokens: int, device, desc: str, deadline: float | None = None) -> dict:
+            shard_tokens: int, device, desc: str, deadline: float | None = None, taps: tuple[int, ...] = ()) -> dict:
     """Base features of the examples, written shard by shard; a rerun continues after the last
     complete shard. Examples go in their (random) data order, sorted by length only within pools
     of 64, so stopping at the deadline keeps an unbiased sample."""
@@ -243,7 +241,7 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
             ids = ids.to(device)
             pos = torch.arange(t_max, device=device)[None].expand(len(items), t_max)
             cache = new_cache(base.cfg, t_max, len(items), device)
-            hidden = base_hidden(base, ids, pos, causal_bias(t_max).to(device), cache, 0)
+            hidden = base_hidden(base, ids, pos, causal_bias(t_max).to(device), cache, 0, taps)
             hidden = hidden.to(torch.float16).cpu().numpy()
             for r, e in enumerate(items):
                 buf_ids.append(e.ids)
@@ -270,7 +268,8 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
 
 @torch.inference_mode()
 def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temperature: float,
-                   generator: torch.Generator | None, device) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                   generator: torch.Generator | None, device,
+                   taps: tuple[int, ...] = ()) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Batched generation (left padding, per-row positions and key masks, one KV cache). Returns per
     prompt (ids, mask, features): the prompt and every generated token that was fed back (the end
     of turn token included), mask 1 on the generated part, and the features of all of them."""
@@ -286,12 +285,12 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
     cache = new_cache(cfg, p + max_new, b, device)
     allowed = torch.ones(p, p, dtype=torch.bool, device=device).tril()[None] & valid[:, None, :p]
     bias = additive_bias(allowed)[:, None]
-    hidden = base_hidden(base, ids, pos, bias, cache, 0)
+    hidden = base_hidden(base, ids, pos, bias, cache, 0, taps)
     prompt_feats = [hidden[r, p - len(x):].to(torch.float16).cpu().numpy() for r, x in enumerate(prompts)]
     eos = torch.tensor(list(cfg.eos_token_ids) or [-1], device=device)
 
     def choose(h):
-        logits = base.lm_head(h).float()
+        logits = base.lm_head(h[..., -cfg.hidden_size:]).float()
         if temperature <= 0:
             return logits.argmax(-1)
         probs = torch.softmax(logits / temperature, -1)
@@ -305,7 +304,7 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
         s = p + step
         valid[:, s] = True
         bias = additive_bias(valid[:, None, None, :s + 1])
-        h = base_hidden(base, cur[:, None], nxt_pos[:, None], bias, cache, s)[:, 0]
+        h = base_hidden(base, cur[:, None], nxt_pos[:, None], bias, cache, s, taps)[:, 0]
         gen_tok.append(torch.where(active, cur, -1))
         gen_feat.append(h.to(torch.float16))
         active = active & ~torch.isin(cur, eos)
@@ -326,7 +325,7 @@ def generate_batch(base: CausalLM, prompts: list[np.ndarray], max_new: int, temp
 
 def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_dir: Path, prefix: str,
                  batch: int, max_new: int, temperature: float, seed: int, device, desc: str,
-                 deadline: float | None = None) -> dict:
+                 deadline: float | None = None, taps: tuple[int, ...] = ()) -> dict:
     """Regenerate replies to the prompts with the base; one shard per generation batch. The data
     order does not depend on the batch size, so a run with another --distill-batch keeps the
     replies cached so far and continues after them."""
@@ -344,7 +343,7 @@ def self_distill(base: CausalLM, prompts: list[tuple[str, np.ndarray]], cache_di
     t0 = time.time()
     for g, group in enumerate(groups, first_shard):
         gen = torch.Generator(device=device).manual_seed(seed * 7919 + g)
-        out = generate_batch(base, [prompts[i][1] for i in group], max_new, temperature, gen, device)
+        out = generate_batch(base, [prompts[i][1] for i in group], max_new, temperature, gen, device, taps)
         save_shard(cache_dir / f"{prefix}-{g:05d}.safetensors", [o[0] for o in out], [o[1] for o in out],
                    [o[2] for o in out], {"first": covered, "count": len(group),
                                          "digest": items_digest([prompts[i][1] for i in group])})
@@ -385,43 +384,6 @@ class Batch:
         self.tokens = sum(lens)
 
 
-def unrolled_bias(n: int, step: int, device) -> torch.Tensor:
-    """Attention mask [1, 1, n, step * n] for unrolled step `step` (1-based) over keys laid out as
-    step 1's n positions, then step 2's, ... The query at position p stands for a draft at depth
-    `step`: like a tree node, it sees the true-feature keys up to position p - step + 1 (the last
-    verified token) and then one key per earlier depth, its ancestors', at p - step + i."""
-    p = torch.arange(n, device=device)
-    allowed = torch.zeros(n, step * n, dtype=torch.bool, device=device)
-    allowed[:, :n] = p[None, :] <= (p[:, None] - step + 1)
-    for i in range(2, step + 1):
-        key = p - step + i
-        ok = key >= 0
-        allowed[p[ok], (i - 1) * n + key[ok]] = True
-    return additive_bias(allowed)[None, None]
-
-
-def unrolled_forward(head: EagleHead, tok: torch.Tensor, feats: torch.Tensor, unroll: int):
-    """Yield the head's outputs [B, T, H] for steps 1..unroll. Step 1 is EAGLE's teacher-forced pass
-    (input: token t+1, true feature t); step j's input at position t is step j-1's output at t-1,
-    attending as a depth-j tree node would (unrolled_bias). Position t of step j drafts from t-j+1
-    verified positions, so its first j-1 positions are meaningless."""
-    b, n, _ = tok.shape
-    device = tok.device
-    pos = torch.arange(n, device=device)[None].expand(b, n)
-    cache = new_cache(head.cfg, n, b, device, layers=1)
-    out = head(tok, feats, pos, causal_bias(n).to(device), cache, 0)
-    yield out
-    for step in range(2, unroll + 1):
-        # A fresh cache per step: autograd still needs the keys the previous step read.
-        grown = new_cache(head.cfg, step * n, b, device, layers=1)
-        for new, old in ((grown.k[0], cache.k[0]), (grown.v[0], cache.v[0])):
-            new[:, :, :(step - 1) * n] = old
-        cache = grown
-        prev = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
-        out = head(tok, prev, pos, unrolled_bias(n, step, device), cache, (step - 1) * n)
-        yield out
-
-
 def head_losses(head: EagleHead, emb: torch.Tensor, lm: torch.Tensor, batch: Batch, noise: float,
                 generator: torch.Generator | None, ce_fraction: float = 1.0, unroll: int = 1) -> dict:
     """EAGLE's loss on one batch. With ce_fraction < 1 the cross-entropy term (whose full-vocabulary
@@ -430,7 +392,10 @@ def head_losses(head: EagleHead, emb: torch.Tensor, lm: torch.Tensor, batch: Bat
     unroll > 1 adds a training-time test (as in HASS and EAGLE-3): step j feeds the head its own
     predicted features from step j - 1, shifted by one position, with the attention context a
     depth-j tree node has at inference, so deep drafts are trained on the inputs they really get.
-    Step j's loss is weighted 0.8^(j-1); the metrics acc/top5 are step 1's, acc_j step j's."""
+    Step j's loss is weighted 0.8^(j-1); the metrics acc/top5 are step 1's, acc_j step j's.
+    An EAGLE-3 head gets its own loss (models.train_eagle3), without the feature noise."""
+    if isinstance(head, Eagle3Head):
+        return eagle3_losses(head, emb, lm, batch, generator, ce_fraction, unroll)
     device = batch.hidden.device
     feats_in = batch.hidden[:, :-1]
     if noise > 0:
@@ -583,6 +548,11 @@ def parse_args(argv=None):
     ap.add_argument("--ce-fraction", type=float, default=1.0,
                     help="share of trained positions the cross-entropy term is computed on (1 = all, as EAGLE; "
                     "lower is cheaper on CPU: the full-vocabulary lm_head dominates the step)")
+    ap.add_argument("--arch", choices=("eagle2", "eagle3"), default="eagle2",
+                    help="eagle2: the EAGLE-1/2 head (fc over [embedding, feature] + one layer, the base's lm_head); "
+                    "eagle3: an EAGLE-3 head over three base layers with its own lm_head (models.train_eagle3)")
+    ap.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                    help="eagle3: the head's vocabulary, the N reply tokens the training data uses most")
     ap.add_argument("--unroll", type=int, default=1, metavar="K",
                     help="training-time test: also train drafts at depths 2..K on the head's own predicted "
                     "features (HASS / EAGLE-3 style); each extra step costs about one more head pass")
@@ -631,6 +601,7 @@ def main(argv=None) -> dict:
     tok = ckpt.tokenizer
     n_positions = max(args.max_len, args.distill_max_prompt + args.distill_new_tokens) + 8
     base = build_base(ckpt, n_positions, device)
+    taps = eagle3_layers(cfg) if args.arch == "eagle3" else ()
 
     # ---- data
     log(f"reading conversations from {args.data}")
@@ -671,7 +642,8 @@ def main(argv=None) -> dict:
     # are cached is checked shard by shard (read_shards). Checkpoints belong to one exact data set.
     cache_key = hashlib.sha256(json.dumps(
         {"v": CACHE_VERSION, "base": ckpt.source, "cfg": cfg.to_dict(),
-         "distill": [args.distill_new_tokens, args.distill_temperature, args.seed]},
+         "distill": [args.distill_new_tokens, args.distill_temperature, args.seed],
+         **({"taps": list(taps)} if taps else {})},
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     fp = hashlib.sha256(cache_key.encode())
     for e in train_ex + dev_ex:
@@ -700,9 +672,9 @@ def main(argv=None) -> dict:
         extract_end = feature_end = 0.0
     stats = {}
     stats["extract_dev"] = extract(base, dev_ex, cache_dir, "dev", args.extract_batch_tokens, 16384, device,
-                                   "features (dev)")
+                                   "features (dev)", taps=taps)
     stats["extract_train"] = extract(base, train_ex, cache_dir, "train", args.extract_batch_tokens, 16384, device,
-                                     "features (train)", extract_end)
+                                     "features (train)", extract_end, taps)
     for k in ("extract_train", "extract_dev"):
         if stats[k]["seconds"]:
             log(f"{k}: {stats[k]['tokens']} tokens in {stats[k]['seconds']:.0f} s "
@@ -710,10 +682,10 @@ def main(argv=None) -> dict:
     if args.self_distill:
         stats["distill_dev"] = self_distill(base, dev_prompts, cache_dir, "distill-dev", args.distill_batch,
                                             args.distill_new_tokens, args.distill_temperature, args.seed + 1,
-                                            device, "self-distill (dev)")
+                                            device, "self-distill (dev)", taps=taps)
         stats["distill_train"] = self_distill(base, distill_prompts, cache_dir, "distill-train", args.distill_batch,
                                               args.distill_new_tokens, args.distill_temperature, args.seed, device,
-                                              "self-distill (train)", feature_end)
+                                              "self-distill (train)", feature_end, taps)
         for k in ("distill_train", "distill_dev"):
             if stats[k]["seconds"]:
                 log(f"{k}: {stats[k]['generated']} tokens generated in {stats[k]['seconds']:.0f} s "
@@ -731,12 +703,20 @@ def main(argv=None) -> dict:
 
     # ---- training
     torch.manual_seed(args.seed)
+    counts = reply_counts(train, cfg.vocab_size) if taps else None
     if args.init is not None:
         hcfg, init_state = load_head(args.init, cfg)
-        head = EagleHead(hcfg, n_positions)
-        head.load_state_dict({k: v.float() for k, v in init_state.items()})
+        if hcfg.eagle3 != bool(taps):
+            raise SystemExit(f"--init {args.init} is an {'EAGLE-3' if hcfg.eagle3 else 'EAGLE-1/2'} head; "
+                             f"--arch is {args.arch}")
+        head = (Eagle3Head if hcfg.eagle3 else EagleHead)(hcfg, n_positions)
+        head.load_state_dict({k: v if k == "d2t" else v.float() for k, v in init_state.items()})
         head = head.to(device)
         log(f"initialised from the head in {args.init}")
+    elif taps:
+        head = new_eagle3_head(cfg, ckpt.state, counts, args.draft_vocab, n_positions).to(device)
+        log(f"EAGLE-3 head over base layers {taps}, draft vocabulary {head.cfg.draft_vocab_size} tokens "
+            f"({counts[head.vocab.cpu().numpy()].sum() / max(counts.sum(), 1):.1%} of the training replies' tokens)")
     else:
         head = EagleHead(head_config(cfg), n_positions).to(device)
     head.train()
@@ -854,7 +834,10 @@ def main(argv=None) -> dict:
     for k, ev in final.items():
         if ev:
             log(f"final {k}: {describe(ev)} over {ev['positions']} positions")
-    save_head(out, head)
+    if taps:
+        save_eagle3_head(out, head, counts)
+    else:
+        save_head(out, head)
     load_head(out, cfg)  # the saved head must load as an official EAGLE head for this base
     train_logs = [h for h in history if "loss" in h]
     summary = {

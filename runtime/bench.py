@@ -1,7 +1,7 @@
 """Side-by-side benchmark: plain decoding and EAGLE-2 trees of one or more artifacts, and the plain
 decoders users would run instead (onnxruntime-genai, llama.cpp), in one run.
 
-    python -m runtime.bench ARTIFACT [ARTIFACT ...] [--provider cpu] [--prompts mtbench:2] [--max-new-tokens 128]
+    python -m runtime.bench ARTIFACT[@PROVIDER[:HINT]] [...] [--provider cpu] [--prompts mtbench:2] [--max-new-tokens 128]
                             [--trees tuned,4/2/2,...] [--peers genai,llamacpp] [--reference FP32_ARTIFACT]
                             [--report bench.md] [--json bench.json] [--plot bench.png]
 
@@ -71,13 +71,31 @@ def parse_trees(spec: str, gen) -> list[tuple[int, int, int] | None]:
     return list(dict.fromkeys(t for t in trees if t is not None))
 
 
-def artifact_configs(path: str, provider: str, trees_spec: str, n: int) -> list[Config]:
-    """Plain decoding and the trees of one artifact: ONNX ones on `provider`, torch ones on their own."""
+def split_spec(spec: str, default_provider: str) -> tuple[str, str, str | None]:
+    """ARTIFACT[@PROVIDER[:PRECISION_HINT]] -> (path, provider, OpenVINO precision hint)."""
+    path, _, where = spec.partition("@")
+    provider, _, hint = (where or default_provider).partition(":")
+    if hint and provider != "openvino":
+        raise SystemExit(f"{spec}: a precision hint (':{hint}') is an OpenVINO option")
+    return path, provider, hint or None
+
+
+def load_spec(spec: str, default_provider: str):
+    """(Generator, provider, hint): ONNX artifacts on their provider (ARTIFACT@openvino:bf16 picks the
+    provider and OpenVINO's precision hint), torch ones on their own target."""
+    path, provider, hint = split_spec(spec, default_provider)
     manifest = read_manifest(Path(path), verify_checksums=False)
     provider = provider if manifest["target"] == "onnx" else manifest["target"]
-    gen = runtime.load(path, provider=provider)
+    options = runtime.openvino_options("CPU", hint) if provider == "openvino" else None
+    return runtime.load(path, provider=provider, provider_options=options), provider, hint
+
+
+def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) -> list[Config]:
+    """Plain decoding and the trees of one artifact."""
+    gen, provider, hint = load_spec(spec, default_provider)
+    path = split_spec(spec, default_provider)[0]
     gen.stop_ids.clear()  # exactly n tokens for every configuration
-    label = f"{Path(path).name} ({gen.manifest['precision']}, {provider})"
+    label = f"{Path(path).name} ({gen.manifest['precision']}, {provider}{':' + hint if hint else ''})"
     graphs = gen.manifest["graphs"]
     base_bytes = graph_weight_bytes(Path(path), graphs["base"])
     draft_bytes = graph_weight_bytes(Path(path), graphs["draft"]) if gen.engine.draft is not None else 0
@@ -158,7 +176,7 @@ def agreement(path: str, reference: str, provider: str, prompts: list[list[int]]
     """Teacher-forced top-1 agreement and perplexity of `path` against `reference` (e.g. fp32) on the
     reference's own greedy replies."""
     from eagle2 import tree_from_parents
-    gens = [runtime.load(p, provider=provider) for p in (reference, path)]
+    gens = [load_spec(p, provider)[0] for p in (reference, path)]
     agree, total, nll = 0, 0, np.zeros(2)
     for ids in prompts:
         text = ids + gens[0].generate(ids, max_new_tokens=n, speculative=False).token_ids
@@ -223,7 +241,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("artifacts", nargs="+")
+    p.add_argument("artifacts", nargs="+", help="ARTIFACT[@PROVIDER[:OPENVINO_PRECISION_HINT]], e.g. "
+                   "artifacts/x@openvino:bf16")
     p.add_argument("--provider", default="cpu")
     p.add_argument("--prompts", default="builtin", help="builtin, mtbench[:K per category], gsm8k[:N] or a .jsonl")
     p.add_argument("--n", type=int, help="use only the first N prompts")
@@ -240,7 +259,8 @@ def main(argv=None) -> int:
     prompts = load_prompts(a.prompts)[: a.n]
     configs = [c for path in a.artifacts for c in artifact_configs(path, a.provider, a.trees, a.max_new_tokens)]
     configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens) if a.peers else []
-    tokenizer = ChatTokenizer(Path(a.artifacts[0]) / read_manifest(Path(a.artifacts[0]), False)["tokenizer"])
+    first = Path(split_spec(a.artifacts[0], a.provider)[0])
+    tokenizer = ChatTokenizer(first / read_manifest(first, False)["tokenizer"])
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": q.text}]) for q in prompts]
     measure(configs, ids, a.max_new_tokens)
     rows = summarize(configs)

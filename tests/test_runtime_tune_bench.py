@@ -7,7 +7,7 @@ import pytest
 
 import runtime
 from eagle2 import tree_from_parents
-from runtime import bench, tune
+from runtime import acceptance, bench, tune
 from runtime.prompts import load_prompts
 
 
@@ -60,6 +60,20 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_acceptance_by_category(artifact, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello there", "category": "chat"}\n{"prompt": "1 + 1 =", "category": "math"}\n')
+    assert acceptance.main([str(artifact), "--prompts", f"builtin,{prompts}", "--trees", "6/3/2,default",
+                            "--max-new-tokens", "16", "--json", str(tmp_path / "tau.json"),
+                            "--report", str(tmp_path / "tau.md")]) == 0
+    results = json.loads((tmp_path / "tau.json").read_text())["results"][str(artifact)]
+    assert set(results) == {"6/3/2", "4/2/2"}
+    for cats in results.values():
+        assert set(cats) == {"builtin", "chat", "math"}
+        assert all(cycles > 0 and cycles <= accepted <= 4 * cycles for accepted, cycles in cats.values())
+    assert "| tiny | 6/3/2 |" in (tmp_path / "tau.md").read_text()
+
+
 def test_prompt_sets():
     assert len(load_prompts("builtin")) == 8
     mt = load_prompts("mtbench")
@@ -83,3 +97,11 @@ def test_peers_decode_the_requested_tokens(name, module, smollm2_artifact):
     for peer in make_peers([name], "smollm2-135m"):
         seconds = peer.decode(ids, 16)
         assert 0 < seconds < 30 and peer.weight_bytes > 50e6, peer.name
+
+
+def test_artifact_specs_name_provider_and_openvino_hint():
+    assert bench.split_spec("a/b@openvino:bf16", "cpu") == ("a/b", "openvino", "bf16")
+    assert bench.split_spec("a/b", "cpu") == ("a/b", "cpu", None)
+    assert bench.split_spec("a/b@openvino", "cpu") == ("a/b", "openvino", None)
+    with pytest.raises(SystemExit, match="OpenVINO option"):
+        bench.split_spec("a/b@cpu:bf16", "cpu")

@@ -10,8 +10,8 @@ import torch
 from models.llama import EagleHead, causal_bias
 from models.tiny import randomize, tiny_checkpoint
 from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
-from models.train_head import (base_hidden, build_base, generate_batch, head_config, main, new_cache,
-                               unrolled_forward)
+from models.train_head import base_hidden, build_base, generate_batch, head_config, main
+from models.unroll import new_cache, unrolled_forward
 from models.weights import head_tensor_shapes, load_head
 
 WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
