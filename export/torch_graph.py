@@ -94,7 +94,10 @@ def step_masks(attention_bias, cache_position, t: int):
     through (1.0, else 0.0), and the cache positions of the T new rows."""
     bias = attention_bias.float().view(t, 1, 1, -1)
     keep = (bias > torch.finfo(torch.float32).min / 2).float()
-    return bias, keep, cache_position + torch.arange(t)
+    # Not torch.arange(t): tracing bakes the tracing device (the CPU) into arange, so the graph would
+    # fail on CUDA; a cumulative sum of ones made like cache_position runs on its device.
+    offsets = torch.cumsum(torch.ones_like(cache_position).expand(t), 0) - 1
+    return bias, keep, cache_position + offsets
 
 
 class BaseStep(nn.Module):

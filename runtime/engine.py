@@ -4,6 +4,9 @@ Each method is one graph call with its inputs written into preallocated buffers;
 loop in generation.py decides what to call. Nothing here allocates per step beyond tiny index
 arrays (the tree's own arrays and the attention-mask bookkeeping of eagle2).
 
+With a resident session (torch on an accelerator) the base's hidden states, the features and the
+draft's hidden states are device tensors that never leave the device; the same indexing serves both.
+
 The sessions are ONNX Runtime's (runtime/session.py) for ONNX artifacts and torch's
 (runtime/torch_session.py) for IPEX and torch artifacts: both take and return numpy arrays by name,
 so everything above them, from this class to the API, is shared.
@@ -39,7 +42,8 @@ def check_target(manifest: dict, provider: str) -> None:
 def open_session(root: Path, spec: dict, provider: str, device: str, cache_length: int, steps: int, max_k: int,
                  threads: int | None, provider_options: dict | None = None):
     if provider in TORCH_PROVIDERS:
-        return TorchSession(str(root / spec["file"]), spec, provider, device, cache_length, steps, max_k, threads)
+        return TorchSession(str(root / spec["file"]), spec, provider, device, cache_length, steps, max_k, threads,
+                            provider_options)
     return GraphSession(str(root / spec["file"]), spec, provider, cache_length, steps, max_k, threads,
                         provider_options)
 
@@ -69,7 +73,9 @@ class Engine:
         self.rows = np.arange(steps, dtype=np.int64)
         self.bias = np.zeros(steps * total, self.io_dtype)
         self.causal = np.triu(np.full((steps, steps), self.masked, self.io_dtype), k=1)
-        self.features = np.zeros((self.max_length + 1, hidden), self.io_dtype)  # base hidden rows not yet drafted on
+        self.resident = getattr(self.base, "resident", False)
+        features = np.zeros((self.max_length + 1, hidden), self.io_dtype)  # base hidden rows not yet drafted on
+        self.features = self.base.device_array(features) if self.resident else features
         self.top_k = np.zeros(1, np.int64)
         self.timings = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
         # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py);
@@ -123,7 +129,10 @@ class Engine:
     def commit(self, accepted: np.ndarray, context: int) -> None:
         """Keep the accepted nodes' K/V at rows context.. and their features; drop the rest."""
         n = len(accepted)
-        np.take(self._last_hidden, accepted, axis=0, out=self.features[context:context + n])
+        if self.resident:
+            self.features[context:context + n] = self._last_hidden[accepted]
+        else:
+            np.take(self._last_hidden, accepted, axis=0, out=self.features[context:context + n])
         if n > 1 and not np.array_equal(accepted, self.rows[:n]):
             self.compactor.move(context + accepted[1:], context + 1)
 
@@ -153,7 +162,8 @@ class Engine:
         np.copyto(bias[:, context:], np.where(mask, 0, self.masked).astype(self.io_dtype, copy=False))
         self.top_k[0] = top_k
         inputs = self._inputs(k, bias, self.rows[:k])
-        inputs["features"] = np.ascontiguousarray(features).reshape(1, k, -1)
+        inputs["features"] = features.reshape(1, k, -1) if self.resident else \
+            np.ascontiguousarray(features).reshape(1, k, -1)
         inputs["top_k"] = self.top_k
         out = self._timed("draft", self.draft, inputs, top_k)
         return out["hidden_states"][0], out["topk_ids"][0], out["topk_logprobs"][0]

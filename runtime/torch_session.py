@@ -3,8 +3,9 @@ of a torch artifact (export/torch_export.py), run with IPEX or plain PyTorch on 
 
 Inputs and outputs are numpy arrays at the boundary, so the decoding loop is the one of the ONNX
 path. On CPU the caches are host stores grown in place (runtime/caches.py) that the graph writes
-through zero-copy torch views; on an accelerator they live on the device at their full length, and
-only the step's ids, positions, bias and small outputs cross.
+through zero-copy torch views; on an accelerator (runtime/torch_device.py) they live on the device at
+their full length, hidden states and logits stay there too (the session is `resident`), and only
+the step's ids, positions, bias and the draft's top-k cross.
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import numpy as np
 
 from .caches import HostCaches
 from .session import NP_DTYPES, ProviderError
+from .torch_device import DeviceSteps
 
 TORCH_PROVIDERS = ("ipex", "torch")
+# Devices whose caches are host stores grown in place; on others every step's tensors stay on the device.
+HOST_DEVICES = ("cpu",)
 
 
 def import_torch(provider: str):
@@ -29,8 +33,17 @@ def import_torch(provider: str):
 
 class TorchSession:
     def __init__(self, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int,
-                 max_k: int = 64, threads: int | None = None):
+                 max_k: int = 64, threads: int | None = None, options: dict | None = None):
+        """options: {"cuda_graphs": bool}, on by default for CUDA devices (runtime/torch_device.py)."""
         torch = self.torch = import_torch(provider)
+        options = dict(options or {})
+        cuda_graphs = options.pop("cuda_graphs", None)
+        if options:
+            raise ProviderError(f"unknown option(s) {', '.join(sorted(options))} for provider {provider!r}; "
+                                "it takes cuda_graphs")
+        on_cuda = torch.device(device).type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ProviderError(f"cuda_graphs needs a CUDA device, not {device!r}")
         if threads:
             torch.set_num_threads(threads)
         self.device = device
@@ -44,15 +57,16 @@ class TorchSession:
         self.cache_dtype = NP_DTYPES[past[0]["dtype"]]
         self.input_names = [i["name"] for i in spec["inputs"] if not i["name"].startswith("past_")]
         self.output_names = [o["name"] for o in spec["outputs"]]
-        dims = [(i["shape"][1], i["shape"][3]) for i in past]
-        self.grows = device == "cpu"
+        self.grows = device in HOST_DEVICES
+        self.resident = not self.grows
         if self.grows:
+            dims = [(i["shape"][1], i["shape"][3]) for i in past]
             self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, np.float32)
             self.caches = [torch.from_numpy(a) for a in self.store.arrays]
         else:
-            self.caches = [torch.zeros(1, h, cache_length, w, device=device) for h, w in dims]
-            self._bias = torch.empty(max_tokens * cache_length, device=device)
-            self._position = torch.zeros(1, dtype=torch.int64, device=device)
+            self.steps = DeviceSteps(torch, self.module, spec, device, cache_length, max_tokens,
+                                     on_cuda if cuda_graphs is None else cuda_graphs)
+            self.caches = self.steps.caches
 
     @property
     def capacity(self) -> int:
@@ -69,18 +83,10 @@ class TorchSession:
         if t > self.max_tokens or k > self.max_k:
             raise ValueError(f"step of {t} tokens / top-{k} exceeds this session's limits "
                              f"({self.max_tokens} tokens, top-{self.max_k})")
-        total = inputs["attention_bias"].shape[-1]
-        if self.grows:
-            self.reserve(total)
-            args = {n: torch.from_numpy(a) for n, a in self.store.step_inputs(inputs, t).items()}
-        else:
-            args = {n: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
-                    for n, a in inputs.items() if n != "attention_bias"}
-            bias = self._bias[: t * self.cache_length].view(1, 1, t, self.cache_length)
-            bias.fill_(torch.finfo(torch.float32).min)
-            bias[..., :total] = torch.from_numpy(inputs["attention_bias"]).to(self.device)
-            self._position.fill_(total - t)
-            args.update(attention_bias=bias, cache_position=self._position)
+        if not self.grows:
+            return self.steps.run(inputs, t, k)
+        self.reserve(inputs["attention_bias"].shape[-1])
+        args = {n: torch.from_numpy(a) for n, a in self.store.step_inputs(inputs, t).items()}
         # optimized_execution(False): TorchScript's profiling executor would run the first calls of each
         # new step size unfused and later ones fused, which round differently (measured); the graph
         # was optimized once, when frozen at export.
@@ -98,12 +104,13 @@ class TorchSession:
             raise RuntimeError("cache_arrays() is only available for host-resident caches")
         return self.store.arrays
 
+    def device_array(self, a: np.ndarray):
+        """A device copy of a host array, for buffers the engine keeps next to a resident session's."""
+        return self.torch.from_numpy(a).to(self.device)
+
     def move(self, source: np.ndarray, destination: int) -> None:
         """Cache positions `source` to [destination, destination + n): the compaction of a cycle."""
         if self.grows:
             self.store.move(source, destination)
-            return
-        index = self.torch.from_numpy(source).to(self.device)
-        target = self.torch.arange(destination, destination + len(source), device=self.device)
-        for c in self.caches:
-            c.index_copy_(2, target, c.index_select(2, index))
+        else:
+            self.steps.move(source, destination)

@@ -78,10 +78,12 @@ def accepted_within(tree, accepted: np.ndarray, total: int) -> int:
     return n
 
 
-def acceptance(gen, prompts: list[list[int]], depth: int, top_k: int, max_new: int) -> dict:
-    """tau for every tree size of this (depth, top_k), and the draft and host seconds per cycle."""
-    s = gen._settings(max_new, True, MAX_TOTAL, depth, top_k, 0.0, 1.0, 0, None)
-    taus, cycles, draft, host = np.zeros(MAX_TOTAL + 1), 0, 0.0, 0.0
+def acceptance(gen, prompts: list[list[int]], depth: int, top_k: int, max_new: int,
+               max_total: int = MAX_TOTAL) -> dict:
+    """tau for every tree size up to max_total of this (depth, top_k), and the draft and host seconds
+    per cycle."""
+    s = gen._settings(max_new, True, max_total, depth, top_k, 0.0, 1.0, 0, None)
+    taus, cycles, draft, host = np.zeros(max_total + 1), 0, 0.0, 0.0
     for ids in prompts:
         dec = RecordingDecoder(gen.engine, ids, s, gen.stop_ids)
         start = time.perf_counter()
@@ -91,7 +93,7 @@ def acceptance(gen, prompts: list[list[int]], depth: int, top_k: int, max_new: i
         draft += t["draft"]
         host += time.perf_counter() - start - sum(t.values())
         for tree, accepted in dec.cycles:
-            taus[1:] += [accepted_within(tree, accepted, n) for n in range(1, MAX_TOTAL + 1)]
+            taus[1:] += [accepted_within(tree, accepted, n) for n in range(1, max_total + 1)]
         cycles += len(dec.cycles)
     return {"tau": (taus / max(cycles, 1)).tolist(), "draft_s": draft / max(cycles, 1),
             "host_s": host / max(cycles, 1), "cycles": cycles}
@@ -103,7 +105,7 @@ def verify_costs(gen, sizes: list[int], context: int, reps: int = 15) -> dict[in
     e = gen.engine
     context = min(context, e.max_length - max(sizes) - 1)
     e.start(context)
-    prompt = np.arange(context, dtype=np.int64) % 1000 + 10
+    prompt = np.arange(context, dtype=np.int64) % min(1000, gen.vocab_size - 10) + 10
     for start in range(0, context, 128):
         e.prefill(prompt[start:start + 128], start)
     trees = {n: tree_from_parents(np.arange(10, 10 + n), np.arange(n) - 1) for n in sizes}
