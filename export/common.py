@@ -1,12 +1,15 @@
 """What every export target shares: tree defaults, stop tokens, the tokenizer, versions, the draft
-vocabulary choice, the error type."""
+vocabulary choice, the error type, and the parity check and manifest that end every export."""
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
 
 from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
+
+from .artifact import write_manifest
 
 # Tree sizes by precision (README "Choosing the tree"): on a 2-core CPU every draft call and every
 # extra verified token costs a sizeable share of a decode step, so CPU precisions default to the
@@ -97,3 +100,18 @@ def draft_vocab_entry(ckpt: Checkpoint, vocab: DraftVocab | None) -> dict | None
     if ckpt.head_cfg is not None and ckpt.head_cfg.eagle3:
         return {"size": ckpt.head_cfg.draft_vocab_size, "counted_on": "the EAGLE-3 head's own d2t map"}
     return None if ckpt.head_cfg is None or vocab is None else vocab.describe()
+
+
+def finish_manifest(tmp: Path, manifest: dict, ckpt: Checkpoint, draft_vocab: DraftVocab | None, verify: bool,
+                    start: float, log) -> None:
+    """The end every exporter shares: the parity check against the PyTorch definitions (recorded in
+    the manifest), the export time, then the manifest with its checksums."""
+    if verify:
+        from .verify import check_parity
+        diffs = check_parity(tmp, manifest, ckpt.cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state,
+                             draft_vocab=None if draft_vocab is None else draft_vocab.ids)
+        manifest["parity"] = diffs
+        log("parity vs PyTorch definition (max abs diff / max abs value): " +
+            ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    manifest["export_seconds"] = round(time.time() - start, 1)
+    write_manifest(tmp, manifest)

@@ -14,9 +14,9 @@ from models.draft_vocab import DraftVocab
 from models.gguf_blocks import read_blocks
 from models.weights import Checkpoint
 
-from .artifact import atomic_directory, write_manifest
-from .common import (DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, default_draft_precision, draft_vocab_entry,
-                     head_entry, save_tokenizer, stop_token_ids, versions)
+from .artifact import atomic_directory
+from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
+                     finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, PRECISIONS, WeightStore, build_base, build_draft,
                          build_draft_eagle3, lm_head_name)
 
@@ -118,13 +118,5 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "tokenizer": "tokenizer",
             "versions": versions(),
         }
-        if verify:
-            from .verify import check_parity
-            diffs = check_parity(tmp, manifest, cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state,
-                                 draft_vocab=None if draft_vocab is None else draft_vocab.ids)
-            manifest["parity"] = diffs
-            log("parity vs PyTorch definition (max abs diff / max abs value): " +
-                ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
-        manifest["export_seconds"] = round(time.time() - start, 1)
-        write_manifest(tmp, manifest)
+        finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log)
     return json.loads((out / "manifest.json").read_text())

@@ -19,9 +19,9 @@ from models.draft_vocab import DraftVocab
 from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
 
-from .artifact import atomic_directory, write_manifest
-from .common import (DEFAULT_TREE, TREE_POSITION_MARGIN, ExportError, draft_vocab_entry, head_entry, save_tokenizer,
-                     stop_token_ids, versions)
+from .artifact import atomic_directory
+from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, draft_vocab_entry, finish_manifest, head_entry,
+                     save_tokenizer, stop_token_ids, versions)
 from .torch_graph import MAX_K, BaseStep, DraftStep, Eagle3DraftStep
 
 PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
@@ -182,13 +182,5 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
             "tokenizer": "tokenizer",
             "versions": versions(**ipex_version),
         }
-        if verify:
-            from .verify import check_parity
-            diffs = check_parity(tmp, manifest, cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state,
-                                 draft_vocab=None if draft_vocab is None else draft_vocab.ids)
-            manifest["parity"] = diffs
-            log("parity vs PyTorch definition (max abs diff / max abs value): " +
-                ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
-        manifest["export_seconds"] = round(time.time() - start, 1)
-        write_manifest(tmp, manifest)
+        finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log)
     return json.loads((out / "manifest.json").read_text())

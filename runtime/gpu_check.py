@@ -83,7 +83,7 @@ def sampling_checkpoint():
     cfg = dataclasses.replace(ckpt.cfg, vocab_size=SAMPLING_VOCAB, eos_token_ids=())
     for state in (ckpt.state, ckpt.head_state):
         for name in [n for n in state if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
-            state[name] = state[name][:SAMPLING_VOCAB].clone() * 2.5
+            state[name] = state[name][:SAMPLING_VOCAB].clone() * 2.5  # sharper than the random init
     ckpt.cfg, ckpt.head_cfg = cfg, cfg
     return ckpt
 

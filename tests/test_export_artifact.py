@@ -243,7 +243,7 @@ FAILURE_POINTS = {
     "write_weights": ("export.onnx_graph.WeightStore.write", Boom("boom")),
     "save_tokenizer": ("export.onnx_export.save_tokenizer", Boom("boom")),
     "parity_check": ("export.verify.check_parity", Boom("boom")),
-    "write_manifest": ("export.onnx_export.write_manifest", Boom("boom")),
+    "write_manifest": ("export.common.write_manifest", Boom("boom")),
 }
 
 

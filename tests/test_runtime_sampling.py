@@ -1,7 +1,6 @@
 """Lossless sampling through the real runtime: the first three tokens of speculative sampling
 follow the exact distribution computed from the base model's probabilities, and the same test
 rejects deliberately broken verifiers (so it can fail)."""
-import dataclasses
 
 import numpy as np
 import pytest
@@ -14,10 +13,9 @@ import runtime.generation as generation
 from eagle2 import process_logits
 from export.onnx_export import export_onnx
 from models.llama import CausalLM, KVCache, causal_bias
-from models.tiny import tiny_checkpoint
+from runtime.gpu_check import SAMPLING_PROMPT, SAMPLING_VOCAB, sampling_checkpoint
 
-VOCAB = 24
-PROMPT = [3, 17, 5, 9]
+VOCAB, PROMPT = SAMPLING_VOCAB, SAMPLING_PROMPT
 DRAWS = 2000
 ALPHA = 1e-3
 
@@ -25,12 +23,7 @@ ALPHA = 1e-3
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     """A tiny Llama with a 24-token vocabulary, so exact 3-token distributions are cheap."""
-    ckpt = tiny_checkpoint("llama", seed=3)
-    cfg = dataclasses.replace(ckpt.cfg, vocab_size=VOCAB, eos_token_ids=())
-    for state in (ckpt.state, ckpt.head_state):
-        for name in [n for n in state if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
-            state[name] = state[name][:VOCAB].clone() * 2.5  # sharper distributions than the random init
-    ckpt.cfg, ckpt.head_cfg = cfg, cfg
+    ckpt = sampling_checkpoint()
     path = tmp_path_factory.mktemp("sampling") / "artifact"
     export_onnx(ckpt, path, "fp32", max_length=64, verify=False, log=lambda m: None)
     gen = runtime.load(path, threads=1)  # tiny graphs: thread sync costs more than it saves

@@ -3,7 +3,6 @@ clear error; sampling keeps the distribution of the graph's own plain decoding; 
 which precisions verify bitwise. (Bitwise verification itself: tests/test_runtime_bitwise.py.)
 
 The IPEX cases need .venv-ipex (ci/test_ipex.sh runs them); plain torch runs anywhere."""
-import dataclasses
 import importlib.util
 
 import numpy as np
@@ -14,8 +13,8 @@ from export.cli import main as export_main
 from export.common import ExportError
 from export.torch_export import export_torch
 from models.registry import load_checkpoint
-from models.tiny import tiny_checkpoint
 from runtime.session import ProviderError
+from runtime.gpu_check import sampling_checkpoint
 from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
 
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
@@ -67,13 +66,7 @@ def test_export_refuses_what_a_torch_target_cannot_do(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     """The sampling test's 24-token Llama (tests/test_runtime_sampling.py) as a torch artifact."""
-    ckpt = tiny_checkpoint("llama", seed=3)
-    cfg = dataclasses.replace(ckpt.cfg, vocab_size=VOCAB, eos_token_ids=())
-    for state in (ckpt.state, ckpt.head_state):
-        for name in [n for n in state if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
-            state[name] = state[name][:VOCAB].clone() * 2.5
-    ckpt.cfg, ckpt.head_cfg = cfg, cfg
-    return ckpt, tmp_path_factory.mktemp("torch-sampling")
+    return sampling_checkpoint(), tmp_path_factory.mktemp("torch-sampling")
 
 
 def own_distribution(gen, temperature):
