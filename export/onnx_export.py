@@ -107,6 +107,10 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # Whether verification computes every tree node bitwise as plain decoding does (on ONNX
             # Runtime's CPU kernels, tested), so that greedy speculative output equals plain output.
             "verify_exact": attention == "exact",
+            # MLAS's 4-bit MatMulNBits (accuracy level 4) computes a one-row product by another path
+            # than a multi-row one on AVX2 CPUs (measured on an AMD Zen 3; every multi-row size
+            # agrees), so the runtime runs one-token steps of such artifacts as two rows.
+            "verify_min_rows": 2 if blocks and any(b.bits == 4 for b in blocks.values()) else 1,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
             "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "io_dtype": "float16" if precision == "fp16" else "float32",

@@ -18,6 +18,7 @@ import torch
 from models.draft_vocab import DraftVocab
 from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
+from runtime.tune import cpu_flags
 
 from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, draft_vocab_entry, finish_manifest, head_entry,
@@ -37,6 +38,14 @@ def import_ipex():
         raise ExportError(f"--target ipex needs intel-extension-for-pytorch ({e}); it lives in its own "
                           "environment: bash ci/install_ipex.sh, then use .venv-ipex/bin/python") from None
     return ipex
+
+
+# IPEX's bf16 weight prepacking asserts one of these instruction sets (AVX-512 BW+VL+DQ, or AVX-NE-CONVERT).
+IPEX_BF16_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
+def ipex_bf16_supported(flags: set[str]) -> bool:
+    return any(isa <= flags for isa in IPEX_BF16_ISAS)
 
 
 def woq_int8(module: torch.nn.Module, ipex) -> None:
@@ -146,6 +155,9 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
     n_positions = max_length + TREE_POSITION_MARGIN
     start = time.time()
     ipex_version = {"intel_extension_for_pytorch": import_ipex().__version__} if target == "ipex" else {}
+    if target == "ipex" and precision == "bf16" and not ipex_bf16_supported(cpu_flags()):
+        raise ExportError("IPEX's bf16 kernels need a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which this "
+                          "one lacks: export --target ipex --precision fp32 or int8, or an ONNX artifact")
     with atomic_directory(out, overwrite) as tmp:
         graphs = {}
         t = TRACE_TOKENS

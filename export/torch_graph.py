@@ -38,6 +38,12 @@ def fuse(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def query_rows(cfg) -> int:
+    """Query rows per kv head and token: at least 3, below which PyTorch's CPU GEMM switches to other
+    kernels (measured: 1 and 2 rows round differently from 3 and more)."""
+    return max(cfg.num_heads // cfg.num_kv_heads, 3)
+
+
 class Attention(nn.Module):
     """One decoder layer's attention over its whole cache, written in place at cache_position."""
 
@@ -48,9 +54,7 @@ class Attention(nn.Module):
         self.o_proj = a.o_proj
         self.heads, self.kv_heads, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.group = self.heads // self.kv_heads
-        # Query rows per kv head and token: at least 3, below which PyTorch's CPU GEMM switches to
-        # other kernels (measured: 1 and 2 rows round differently from 3 and more).
-        self.rows = max(self.group, 3)
+        self.rows = query_rows(cfg)
 
     def forward(self, x, cos, sin, bias, keep, index, k_cache, v_cache):
         t, heads, kv, d = x.shape[1], self.heads, self.kv_heads, self.d

@@ -63,6 +63,12 @@ class Generator:
         return self.engine.max_length
 
     @property
+    def verify_exact(self) -> bool:
+        """Whether verification computes every tree node bitwise as plain decoding does, here: the
+        manifest's claim, for torch artifacts also checked on this machine's GEMMs at load."""
+        return self.engine.verify_exact
+
+    @property
     def vocab_size(self) -> int:
         return self.manifest["model"]["config"]["vocab_size"]
 

@@ -48,15 +48,25 @@ class Config:
                                                   "same_tokens": 0, "compared": 0})
 
 
+# (op, input index) of ONNX nodes that read only a few rows of a table per token: an embedding's
+# Gather and RotaryEmbedding's cos/sin tables.
+ROW_LOOKUPS = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3)}
+
+
 def graph_weight_bytes(artifact: Path, spec: dict) -> int:
-    """Bytes of the weights a graph reads in a step: an ONNX graph's external initializers; the file
-    of a TorchScript graph, whose weights are inside it."""
+    """Bytes of the weights a graph reads in a step: an ONNX graph's external initializers, less the
+    tables it only looks rows up in (an untied or int8 model's fp32 embedding is a fifth of its file
+    and costs one row a token); the file of a TorchScript graph, whose weights are inside it."""
     path = artifact / spec["file"]
     if path.suffix != ".onnx":
         return path.stat().st_size
     model = onnx.load(str(path), load_external_data=False)
+    uses: dict[str, set] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, set()).add((node.op_type, i))
     return sum(int({e.key: e.value for e in t.external_data}["length"]) for t in model.graph.initializer
-               if t.data_location == onnx.TensorProto.EXTERNAL)
+               if t.data_location == onnx.TensorProto.EXTERNAL and not uses.get(t.name, set()) <= ROW_LOOKUPS)
 
 
 def parse_trees(spec: str, gen) -> list[tuple[int, int, int] | None]:
@@ -109,7 +119,7 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
         return run
 
     trees = parse_trees(trees_spec, gen) if gen.engine.draft is not None else []
-    exact = gen.manifest.get("verify_exact", False)
+    exact = gen.verify_exact
     return [Config(f"{label} plain", runner(None), label, None, base_bytes)] + \
         [Config(f"{label} EAGLE-2 {'/'.join(map(str, t))}", runner(t), label, t, base_bytes, draft_bytes, exact=exact)
          for t in trees]

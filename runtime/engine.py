@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle2 import DraftTree, write_attention_bias
+from eagle2 import DraftTree, tree_from_parents, write_attention_bias
 
 from .session import CacheCompactor, GraphSession, ProviderError
 from .torch_session import TORCH_PROVIDERS, TorchSession
@@ -81,6 +81,44 @@ class Engine:
         # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py);
         # with fused attention no placement is exact, so there is nothing to keep.
         self.key_block = manifest.get("exact_key_block") or self.max_length + 1
+        # Fewest rows a verify step runs (export/onnx_export.py): kernels whose one-row path rounds
+        # otherwise than their multi-row one get every step, plain decoding included, as multi-row.
+        self.min_rows = manifest.get("verify_min_rows", 1)
+        self.verify_exact = manifest.get("verify_exact", False)
+        if self.verify_exact and provider in TORCH_PROVIDERS and not self.resident:
+            # The torch graphs' exactness rests on the CPU's GEMM kernels, measured here: PyTorch's
+            # fp32 ones sum an attention row's keys in an order that depends on where they sit on
+            # AVX2 CPUs, and IPEX's int8 ones take another path for one row than for several.
+            self.verify_exact = self._torch_attention_in_order() and self.verification_matches_decoding()
+
+    def _torch_attention_in_order(self) -> bool:
+        from export.torch_graph import query_rows
+        from models.config import ModelConfig
+
+        from .torch_session import attention_sums_in_order
+        cfg = ModelConfig.from_dict(self.manifest["model"]["config"])
+        return attention_sums_in_order(self.base.torch, cfg.num_kv_heads, query_rows(cfg), cfg.head_dim + 1)
+
+    def verification_matches_decoding(self) -> bool:
+        """Whether the nodes of a small branching tree, verified in one step, get the bits their
+        tokens get decoded alone after their paths (as tests/test_runtime_bitwise.py checks at
+        length): a few steps of the base, at load."""
+        rng = np.random.default_rng(0)
+        vocab = self.manifest["model"]["config"]["vocab_size"]
+        parents = np.array([-1, 0, 0, 1, 2, 4])  # node 5's ancestors 2 and 4 are not side by side
+        context = min(37, self.max_length - 2 * len(parents))
+        prompt = rng.integers(0, vocab, context)
+        tree = tree_from_parents(rng.integers(0, vocab, len(parents)), parents)
+        self.start(context + len(parents))
+        self.prefill(prompt, 0)
+        rows = self.verify(tree, context).copy()
+        for path in ([1, 3], [2, 4, 5]):
+            self.prefill(prompt, 0)
+            for i, node in enumerate([0] + path):
+                alone = self.verify(tree_from_parents([tree.tokens[node]], [-1]), context + i)
+            if not np.array_equal(rows[path[-1]], alone[0]):
+                return False
+        return True
 
     def _bias(self, t: int, context: int) -> np.ndarray:
         return self.bias[: t * (context + t)].reshape(t, context + t)
@@ -116,15 +154,27 @@ class Engine:
         return out["logits"][0, 0]
 
     def verify(self, tree: DraftTree, context: int) -> np.ndarray:
-        """One base forward over the tree (written to cache rows context..); returns logits [T, V]."""
+        """One base forward over the tree (written to cache rows context..); returns logits [T, V].
+
+        A tree smaller than min_rows is padded with copies of its root that see only the context
+        and themselves: no tree node attends to them, their logits are dropped and their cache rows,
+        past the tree's, are overwritten by the next step."""
         t = len(tree.tokens)
+        n = max(t, self.min_rows)
         self.ids[:t] = tree.tokens
         self.positions[:t] = context + tree.depths
-        bias = self._bias(t, context)
-        write_attention_bias(bias, tree, context, self.masked)
-        out = self._timed("verify", self.base, self._inputs(t, bias, self.rows[:t]))
-        self._last_hidden = out["hidden_states"][0]
-        return out["logits"][0]
+        bias = self._bias(n, context)
+        write_attention_bias(bias[:t, :context + t], tree, context, self.masked)
+        if n > t:
+            self.ids[t:n] = tree.tokens[0]
+            self.positions[t:n] = context
+            bias[:t, context + t:] = self.masked
+            bias[t:, :context] = 0
+            bias[t:, context:] = self.masked
+            bias[np.arange(t, n), context + np.arange(t, n)] = 0
+        out = self._timed("verify", self.base, self._inputs(n, bias, self.rows[:n]))
+        self._last_hidden = out["hidden_states"][0, :t]
+        return out["logits"][0, :t]
 
     def commit(self, accepted: np.ndarray, context: int) -> None:
         """Keep the accepted nodes' K/V at rows context.. and their features; drop the rest."""

@@ -31,6 +31,36 @@ def import_torch(provider: str):
     return torch
 
 
+def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, capacity: int = 512) -> bool:
+    """Whether this CPU's GEMMs give a query row of the torch graphs' attention
+    (export/torch_graph.py: scores = q @ keys^T, out = probs @ values, in fp32) the same bits alone
+    as inside a step of more tokens, with its last key moved to a later position and masked zeros
+    between, for contexts across the capacity: a tree node's ancestors sit at tree slots where
+    plain decoding put them side by side. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
+    Zen 3, PyTorch's kernels group the key sum by position (in 192s for some row counts)."""
+    g = torch.Generator().manual_seed(0)
+    d = width - 1
+    keys = torch.randn(1, kv_heads, capacity, d, generator=g)
+    values = torch.randn(1, kv_heads, capacity, width, generator=g)
+    for t in (2, 3, 5, 8, 16):
+        queries = torch.randn(t, kv_heads, rows, d, generator=g)
+        if not torch.equal(torch.matmul(queries[:1], keys.transpose(2, 3))[0],
+                           torch.matmul(queries, keys.transpose(2, 3))[0]):
+            return False
+        for context in range(13, capacity - 16, 29):
+            probs = torch.zeros(t, kv_heads, rows, capacity)
+            probs[..., :context] = torch.rand(t, kv_heads, rows, context, generator=g)
+            alone = probs[-1:].clone()
+            alone[..., context] = 0.5
+            for gap in (1, 5, 11):
+                tree, moved = probs.clone(), values.clone()
+                tree[-1, ..., context + gap] = 0.5
+                moved[:, :, context + gap] = values[:, :, context]
+                if not torch.equal(torch.matmul(alone, values)[0], torch.matmul(tree, moved)[-1]):
+                    return False
+    return True
+
+
 class TorchSession:
     def __init__(self, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int,
                  max_k: int = 64, threads: int | None = None, options: dict | None = None):

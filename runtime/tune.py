@@ -35,14 +35,23 @@ CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
 
 
-def cpu_name() -> str:
+def cpu_info(key: str) -> str | None:
+    """The first /proc/cpuinfo line starting with `key`, after its colon (None off Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    return cpu_info("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    return set((cpu_info("flags") or "").split())
 
 
 def read_tuning(artifact: Path, provider: str) -> dict | None:

@@ -54,21 +54,23 @@ def _export_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_artifact(_export_root):
-    """Factory: tiny_artifact(name, precision, head=True, max_length=None, draft_precision=None) -> Path."""
+    """Factory: tiny_artifact(name, precision, head=True, max_length=None, draft_precision=None,
+    attention=None) -> Path."""
     from export.onnx_export import export_onnx
     from models.registry import load_checkpoint
 
     cache: dict[tuple, Path] = {}
 
     def make(name: str = "tiny-llama", precision: str = "fp32", head: bool = True,
-             max_length: int | None = None, draft_precision: str | None = None) -> Path:
-        key = (name, precision, head, max_length, draft_precision)
+             max_length: int | None = None, draft_precision: str | None = None, attention: str | None = None) -> Path:
+        key = (name, precision, head, max_length, draft_precision, attention)
         if key not in cache:
             label = f"{name}-{precision}" + ("" if head else "-nohead") + (f"-L{max_length}" if max_length else "") \
-                + (f"-draft-{draft_precision}" if draft_precision else "")
+                + (f"-draft-{draft_precision}" if draft_precision else "") + (f"-{attention}" if attention else "")
             out = _export_root / "tiny" / label
             ckpt = load_checkpoint(name, no_head=not head)
-            export_onnx(ckpt, out, precision, max_length, verify=True, log=_quiet, draft_precision=draft_precision)
+            export_onnx(ckpt, out, precision, max_length, verify=True, log=_quiet, draft_precision=draft_precision,
+                        attention=attention)
             cache[key] = out
         return cache[key]
 
