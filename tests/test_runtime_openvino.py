@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 
 import runtime
+from runtime.tune import cpu_flags
 from runtime.session import ProviderError
 
 pytestmark = pytest.mark.skipif("OpenVINOExecutionProvider" not in ort.get_available_providers(),
@@ -40,12 +41,17 @@ def test_openvino_matches_cpu_and_speculation_agrees(artifact, prompt):
 
 
 def test_precision_hint_reaches_openvino(artifact):
-    """The bf16 hint changes OpenVINO's arithmetic (so it was applied), and decoding still works."""
+    """The bf16 hint changes OpenVINO's arithmetic where the CPU computes in bf16 (AVX512-BF16 or
+    AMX: so it was applied); elsewhere OpenVINO keeps f32 (measured on an AVX2-only AMD Zen 3), and
+    decoding works either way."""
     f32 = runtime.load(artifact, provider="openvino")
     bf16 = runtime.load(artifact, provider="openvino", provider_options=runtime.openvino_options("CPU", "bf16"))
     ids = np.asarray(f32.tokenizer.encode("The quick brown fox jumps over the lazy dog"), np.int64)
     logits = [g.engine.prefill(ids, 0).copy() for g in (f32, bf16)]
-    assert not np.array_equal(*logits) and np.abs(logits[0] - logits[1]).max() < 0.5
+    if cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        assert not np.array_equal(*logits) and np.abs(logits[0] - logits[1]).max() < 0.5
+    else:
+        np.testing.assert_array_equal(*logits)
     out = bf16.generate("hello world", max_new_tokens=20, speculative=False)
     assert len(out.token_ids) == 20 or out.finish_reason == "stop"
 
