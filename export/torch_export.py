@@ -42,6 +42,7 @@ def import_ipex():
 
 # IPEX's bf16 weight prepacking asserts one of these instruction sets (AVX-512 BW+VL+DQ, or AVX-NE-CONVERT).
 IPEX_BF16_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+IPEX_BF16_NEEDS = "IPEX's bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which this CPU lacks"
 
 
 def ipex_bf16_supported(flags: set[str]) -> bool:
@@ -156,8 +157,7 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
     start = time.time()
     ipex_version = {"intel_extension_for_pytorch": import_ipex().__version__} if target == "ipex" else {}
     if target == "ipex" and precision == "bf16" and not ipex_bf16_supported(cpu_flags()):
-        raise ExportError("IPEX's bf16 kernels need a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which this "
-                          "one lacks: export --target ipex --precision fp32 or int8, or an ONNX artifact")
+        raise ExportError(f"{IPEX_BF16_NEEDS}: export --target ipex --precision fp32 or int8, or an ONNX artifact")
     with atomic_directory(out, overwrite) as tmp:
         graphs = {}
         t = TRACE_TOKENS

@@ -16,7 +16,7 @@ import torch
 import runtime
 from eagle2 import tree_from_parents
 from export.onnx_export import export_onnx
-from export.torch_export import ipex_bf16_supported
+from export.torch_export import IPEX_BF16_NEEDS, ipex_bf16_supported
 from models.llama import CausalLM, EagleHead
 from models.registry import load_checkpoint
 from models.tiny import randomize
@@ -64,11 +64,11 @@ def generator(request, checkpoint, tmp_path_factory):
     if target == "ipex" and not HAS_IPEX:
         pytest.skip("intel-extension-for-pytorch is not installed here (ci/test_ipex.sh runs these)")
     if (target, precision) == ("ipex", "bf16") and not ipex_bf16_supported(cpu_flags()):
-        pytest.skip("IPEX's bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which this CPU lacks")
+        pytest.skip(IPEX_BF16_NEEDS)
     gen = export(checkpoint, tmp_path_factory.mktemp("bitwise") / f"{target}-{precision}", target, precision)
     if not gen.verify_exact:
-        pytest.skip("the load-time check (Engine.verification_matches_decoding) finds this CPU's kernels "
-                    "inexact for this torch artifact, so it claims no exactness here")
+        pytest.skip("the load-time check (runtime.engine.Engine: attention key order and a branching tree) "
+                    "finds this CPU's kernels inexact for this torch artifact, so it claims no exactness here")
     return gen
 
 

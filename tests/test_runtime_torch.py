@@ -11,7 +11,7 @@ import pytest
 import runtime
 from export.cli import main as export_main
 from export.common import ExportError
-from export.torch_export import export_torch, ipex_bf16_supported
+from export.torch_export import IPEX_BF16_NEEDS, export_torch, ipex_bf16_supported
 from models.registry import load_checkpoint
 from runtime.session import ProviderError
 from runtime.tune import cpu_flags
@@ -21,8 +21,7 @@ from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 needs_ipex = pytest.mark.skipif(not HAS_IPEX, reason="intel-extension-for-pytorch is not installed here "
                                                      "(ci/test_ipex.sh runs these in .venv-ipex)")
-needs_ipex_bf16 = pytest.mark.skipif(not ipex_bf16_supported(cpu_flags()), reason="IPEX's bf16 kernels need "
-                                     "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which this CPU lacks")
+needs_ipex_bf16 = pytest.mark.skipif(not ipex_bf16_supported(cpu_flags()), reason=IPEX_BF16_NEEDS)
 KINDS = [pytest.param("torch", "bf16"), pytest.param("ipex", "bf16", marks=[needs_ipex, needs_ipex_bf16]),
          pytest.param("ipex", "int8", marks=needs_ipex)]
 
