@@ -22,7 +22,10 @@ Two attention implementations:
   ones), because matmuls accumulate each output over the keys in order, and a masked key adds an
   exact zero; a vectorised softmax sum would not. The one exception is the matmul's key blocking
   (EXACT_KEY_BLOCK): keys in different blocks are summed in separate partial sums, so a verify
-  step must not straddle a block boundary (the runtime clips its trees there).
+  step must not straddle a block boundary (the runtime clips its trees there). MLAS sizes that
+  block from the width of the product each thread computes, so the value rows are cut into chunks
+  of at most VALUE_CHUNK columns, one matmul each: a chunk is never split between threads, and
+  the block is the same for every step size, context and thread count.
 """
 from __future__ import annotations
 
@@ -44,11 +47,17 @@ WEIGHTS_FILE = "weights.bin"
 ALIGN = 4096
 PRECISIONS = ("fp32", "fp16", "int8", "gguf")
 ATTENTIONS = ("exact", "fused")
-# MLAS's fp32 GEMM accumulates the inner dimension in blocks of this many (MLAS_SGEMM_STRIDEK):
-# a row's P @ V sums keys [0, 128), [128, 256), ... separately. tests/test_runtime_bitwise.py
-# fails if a tree straddling such a boundary stops differing from plain decoding or one inside
-# a block starts to, so a change in ONNX Runtime shows up there.
-EXACT_KEY_BLOCK = 128
+# MLAS's fp32 GEMM accumulates the inner dimension in blocks (MlasSgemmOperation's StrideK): 128
+# keys for products wider than 64 columns, up to 1,024 for those of at most 16. It splits a product
+# wider than 16 columns between threads by columns when it has few rows, each thread then blocking
+# by its own width: with 65 columns, one block size for a one-token step and another for a tree
+# once 4+ threads work on it (measured: SmolLM2's verify rows differed from plain decoding at 600
+# tokens of context with 8 threads). Chunks of at most VALUE_CHUNK value columns are never split, so
+# a row's P @ V sums keys [0, 1024), [1024, 2048), ... separately, always. tests/test_runtime_bitwise.py
+# fails if a tree straddling such a boundary stops differing from plain decoding or one inside a
+# block starts to, so a change in ONNX Runtime shows up there.
+VALUE_CHUNK = 16
+EXACT_KEY_BLOCK = 1024
 # Lowest exponent the exact attention's softmax evaluates (weights below e^-80 relative to the row's
 # largest are dropped to e^-80); see _exact_attention.
 EXP_FLOOR = -80.0
@@ -252,8 +261,9 @@ class Builder:
 
         With MLAS's SGEMM (ONNX Runtime's MatMul) in mind: one matmul per kv head over all its query
         rows, whose count never drops to one (a one-row product takes another kernel, so without
-        grouping each row is computed twice), and a value product of constant width (d + 1: the
-        key blocking of MLAS follows that width, and stays at EXACT_KEY_BLOCK for it)."""
+        grouping each row is computed twice), and value products in chunks of constant width at most
+        VALUE_CHUNK (the key blocking of MLAS follows the width each thread computes, and stays at
+        EXACT_KEY_BLOCK for these)."""
         g = self.g
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = heads // kv_heads
@@ -266,15 +276,20 @@ class Builder:
                         num_heads=n, interleaved=0)
 
         def write(cache: str, new: str) -> str:
-            """new [1, T, kv_heads, width] into the cache at cache_position, in place; returns the whole
-            updated cache [1, kv_heads, capacity, width] (attention_bias masks what is not in use)."""
+            """new [1, T, heads, width] into the cache at cache_position, in place; returns the whole
+            updated cache [1, heads, capacity, width] (attention_bias masks what is not in use)."""
             new = g.op("Transpose", [new], perm=[0, 2, 1, 3])
             return g.op("TensorScatter", [f"past_{cache}_{layer}", new, "cache_position"],
                         [f"present_{cache}_{layer}"], axis=2)
 
         keys = write("key", g.op("Reshape", [rotate(k, kv_heads), g.const([1, -1, kv_heads, d])]))
-        v = g.op("Reshape", [v, g.const([1, -1, kv_heads, d])])
-        values = write("value", g.op("Pad", [v, g.const([0, 0, 0, 0, 0, 0, 0, 1]), g.const(1.0, self.p.io_dtype)]))
+        chunks, width = value_chunks(d)
+        v = g.op("Pad", [g.op("Reshape", [v, g.const([1, -1, kv_heads, d])]), g.const([0, 0, 0, 0, 0, 0, 0, 1]),
+                         g.const(1.0, self.p.io_dtype)])
+        if chunks * width > d + 1:
+            v = g.op("Pad", [v, g.const([0, 0, 0, 0, 0, 0, 0, chunks * width - d - 1])])
+        values = write("value", g.op("Reshape", [v, g.const([1, -1, kv_heads * chunks, width])]))
+        values = g.op("Reshape", [values, g.const([kv_heads, chunks, -1, width])])
         q = g.op("Reshape", [rotate(q, heads), g.const([-1, kv_heads, group * d])])
         if rows > group:
             q = g.op("Concat", [q] * (rows // group), axis=-1)
@@ -285,8 +300,11 @@ class Builder:
         # zero for masked keys, and ONNX Runtime's Exp runs 20x slower on inputs below about -87.
         shifted = g.op("Sub", [scores, g.op("ReduceMax", [scores, g.const([-1])], keepdims=1)])
         probs = g.op("Mul", [g.op("Exp", [g.op("Max", [shifted, g.const(EXP_FLOOR, self.p.io_dtype)])]), io.row_keep])
-        probs = g.op("Reshape", [probs, io.flat_shape])
-        weighted, total = g.op("Split", [g.op("MatMul", [probs, values]), g.const([d, 1])], 2, axis=-1)
+        probs = g.op("Reshape", [probs, io.flat_shape])  # [kv, 1, T * rows, capacity], against each chunk
+        pv = g.op("Transpose", [g.op("MatMul", [probs, values])], perm=[0, 2, 1, 3])  # [kv, T * rows, chunks, width]
+        pv = g.op("Reshape", [pv, g.const([kv_heads, -1, chunks * width])])
+        sizes = [d, 1] + ([chunks * width - d - 1] if chunks * width > d + 1 else [])
+        weighted, total = g.op("Split", [pv, g.const(sizes)], len(sizes), axis=-1)[:2]
         out = g.op("Reshape", [g.op("Div", [weighted, total]), g.const([kv_heads, -1, rows * d])])
         if rows > group:
             out = g.op("Slice", [out, g.const([0]), g.const([group * d]), g.const([2])])
@@ -327,13 +345,24 @@ class StepInputs:
     scores_shape: str = ""      # [kv_heads, T, query rows, capacity]
     row_bias: str = ""          # attention_bias as [T, 1, capacity]
     row_keep: str = ""          # 1 where attention_bias allows a key, else 0, [T, 1, capacity]
-    flat_shape: str = ""        # [1, kv_heads, T * query rows, capacity]
+    flat_shape: str = ""        # [kv_heads, 1, T * query rows, capacity]
+
+
+def value_chunks(head_dim: int) -> tuple[int, int]:
+    """(chunks, width): the exact attention's value row (head_dim values and a one) cut into the
+    fewest chunks of at most VALUE_CHUNK columns, zero-padded to equal widths."""
+    chunks = -(-(head_dim + 1) // VALUE_CHUNK)
+    return chunks, -(-(head_dim + 1) // chunks)
 
 
 def cache_shape(cfg: ModelConfig, kind: str, attention: str) -> list:
-    """[1, kv_heads, max_length, head_dim]; the exact attention's value rows carry one more column,
-    ones (its softmax denominator, see _exact_attention)."""
-    return [1, cfg.num_kv_heads, "max_length", cfg.head_dim + (kind == "value" and attention == "exact")]
+    """[1, kv_heads, max_length, head_dim]. The exact attention's value rows carry one more column,
+    ones (its softmax denominator), and are stored as value_chunks: [1, kv_heads * chunks,
+    max_length, width] (see _exact_attention)."""
+    if kind == "value" and attention == "exact":
+        chunks, width = value_chunks(cfg.head_dim)
+        return [1, cfg.num_kv_heads * chunks, "max_length", width]
+    return [1, cfg.num_kv_heads, "max_length", cfg.head_dim]
 
 
 def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n_positions: int,
@@ -368,7 +397,7 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
         step.row_bias = g.op("Reshape", ["attention_bias", g.op("Concat", [g.const([-1, 1]), total64], axis=0)])
         masked = np.finfo(b.p.io_dtype).min / 2
         step.row_keep = g.op("Cast", [g.op("Greater", [step.row_bias, g.const(masked, b.p.io_dtype)])], to=io)
-        step.flat_shape = g.op("Concat", [g.const([1, kv_heads, -1]), total64], axis=0)
+        step.flat_shape = g.op("Concat", [g.const([kv_heads, 1, -1]), total64], axis=0)
     return step
 
 

@@ -2,22 +2,23 @@
 artifacts, every torch artifact), shared by the ONNX Runtime and torch sessions.
 
 Such a graph reads every position it is given, masked where not in use, so its caches are handed
-over at a capacity just above the positions in use, growing in steps of CACHE_STEP (copying out the
-used part every step instead cost 3.5 ms a step at 800 tokens of context, measured). Each cache
-lives in one store allocated once for the longest length; the cache of a given capacity is the
-store's first heads * capacity * width elements, re-laid out in place when the capacity changes.
+over at a capacity just above the positions in use, growing in steps the session chooses (copying
+out the used part every step instead cost 3.5 ms a step at 800 tokens of context, measured). Each
+cache lives in one store allocated once for the longest length; the cache of a given capacity is
+the store's first heads * capacity * width elements, re-laid out in place when the capacity changes.
 """
 from __future__ import annotations
 
 import numpy as np
 
-CACHE_STEP = 256
-
 
 class HostCaches:
-    def __init__(self, dims: list[tuple[int, int]], dtype, cache_length: int, max_tokens: int, bias_dtype):
-        """dims: (heads, width) of each cache, laid out [1, heads, capacity, width]."""
-        self.dims, self.cache_length = dims, cache_length
+    def __init__(self, dims: list[tuple[int, int]], dtype, cache_length: int, max_tokens: int, bias_dtype,
+                 step: int):
+        """dims: (heads, width) of each cache, laid out [1, heads, capacity, width]; the capacity is a
+        multiple of `step`. Every masked position past those in use is still read, so a smaller step
+        reads less, at the price of a re-layout every `step` positions."""
+        self.dims, self.cache_length, self.step = dims, cache_length, step
         # Zeroed: positions past those in use are read (masked) and must hold finite numbers.
         self._stores = [np.zeros(h * cache_length * w, dtype) for h, w in dims]
         self._scratch = np.empty(cache_length * max(w for _, w in dims), dtype)
@@ -25,7 +26,7 @@ class HostCaches:
         self._cache_position = np.zeros(1, np.int64)
         self.capacity = 0
         self.arrays: list[np.ndarray] = []
-        self._lay_out(min(CACHE_STEP, cache_length))
+        self._lay_out(min(step, cache_length))
 
     def _lay_out(self, capacity: int) -> None:
         old = self.capacity
@@ -45,7 +46,7 @@ class HostCaches:
         the caches were laid out anew (their arrays must then be handed over again)."""
         if length > self.cache_length:
             raise ValueError(f"{length} positions exceed this session's cache of {self.cache_length}")
-        wanted = min(-(-length // CACHE_STEP) * CACHE_STEP, self.cache_length)
+        wanted = min(-(-length // self.step) * self.step, self.cache_length)
         if wanted > self.capacity or (shrink and wanted < self.capacity):
             self._lay_out(wanted)
             return True

@@ -18,6 +18,9 @@ from .torch_device import DeviceSteps
 TORCH_PROVIDERS = ("ipex", "torch")
 # Devices whose caches are host stores grown in place; on others every step's tensors stay on the device.
 HOST_DEVICES = ("cpu",)
+# Capacity step of host caches. Larger than the ONNX sessions' (runtime/session.py): oneDNN and MKL may
+# block a matmul's key sum by the key count, and torch artifacts' exactness was measured at this step.
+CACHE_STEP = 256
 
 
 def import_torch(provider: str):
@@ -91,7 +94,7 @@ class TorchSession:
         self.resident = not self.grows
         if self.grows:
             dims = [(i["shape"][1], i["shape"][3]) for i in past]
-            self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, np.float32)
+            self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, np.float32, CACHE_STEP)
             self.caches = [torch.from_numpy(a) for a in self.store.arrays]
         else:
             self.steps = DeviceSteps(torch, self.module, spec, device, cache_length, max_tokens,

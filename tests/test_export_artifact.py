@@ -40,10 +40,12 @@ def expected_specs(cfg: ModelConfig, head: bool) -> dict:
     step = [("input_ids", "int64", [1, "T"]), ("position_ids", "int64", [1, "T"]),
             ("attention_bias", "float32", [1, 1, "T", "total"]), ("logit_rows", "int64", ["R"])]
 
-    def cache(prefix, n, ones_column=False):
-        """The exact attention's value cache carries one more column (ones: the softmax denominator)."""
-        width = {"key": cfg.head_dim, "value": cfg.head_dim + ones_column}
-        return [(f"{prefix}_{kind}_{i}", "float32", [1, cfg.num_kv_heads, "max_length", width[kind]])
+    def cache(prefix, n, exact=False):
+        """The exact attention's value rows carry one more column (ones: the softmax denominator), stored
+        in chunks of at most 16 columns: 33 as 3 x 11 for these heads of 32."""
+        heads = {"key": cfg.num_kv_heads, "value": cfg.num_kv_heads * (3 if exact else 1)}
+        width = {"key": cfg.head_dim, "value": 11 if exact else cfg.head_dim}
+        return [(f"{prefix}_{kind}_{i}", "float32", [1, heads[kind], "max_length", width[kind]])
                 for i in range(n) for kind in ("key", "value")]
 
     # The exact attention attends over its whole cache and writes the new rows at cache_position.
@@ -97,7 +99,7 @@ def test_manifest_contents(tiny_artifact, name, precision):
     assert m["format_version"] == FORMAT_VERSION == 1
     assert m["target"] == "onnx"
     assert m["precision"] == precision
-    assert (m["attention"], m["exact_key_block"]) == ("exact", 128)
+    assert (m["attention"], m["exact_key_block"]) == ("exact", 1024)
     assert m["io_dtype"] == "float32"
     # Architecture and sizes, exactly the checkpoint's config.
     assert ModelConfig.from_dict(m["model"]["config"]) == ckpt.cfg

@@ -62,12 +62,18 @@ def run_base_graph(artifact, steps: list[Step]):
         # The session returns views of buffers that the next step overwrites: copy.
         outs.append((out["logits"][0].copy(), out["hidden_states"][0].copy()))
     used = steps[-1].start + steps[-1].ids.shape[1]
-    head_dim = manifest["model"]["config"]["head_dim"]
+    cfg = manifest["model"]["config"]
+    head_dim, kv_heads = cfg["head_dim"], cfg["num_kv_heads"]
     caches = {}
     for name, arr in zip(session.cache_names, session.cache_arrays()):
-        # The exact attention's value rows end in a column of ones (its softmax denominator).
-        if arr.shape[-1] > head_dim:
-            np.testing.assert_array_equal(arr[:, :, :used, head_dim:], 1.0, err_msg=name)
+        # The exact attention's value rows are stored in chunks [1, kv * chunks, length, width]; joined,
+        # they end in a column of ones (its softmax denominator), then zeros up to chunks * width.
+        chunks = arr.shape[1] // kv_heads
+        if chunks > 1:
+            arr = arr.reshape(1, kv_heads, chunks, *arr.shape[2:]).transpose(0, 1, 3, 2, 4)
+            arr = arr.reshape(1, kv_heads, arr.shape[2], -1)
+            np.testing.assert_array_equal(arr[:, :, :used, head_dim], 1.0, err_msg=name)
+            np.testing.assert_array_equal(arr[:, :, :used, head_dim + 1:], 0.0, err_msg=name)
         caches[name] = arr[:, :, :used, :head_dim].copy()
     return outs, caches
 

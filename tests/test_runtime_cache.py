@@ -3,7 +3,7 @@ steps, inside stores allocated once, keeping every cached row where the graph ex
 import numpy as np
 
 import runtime
-from runtime.caches import CACHE_STEP
+from runtime.session import CACHE_STEP
 
 
 def test_growing_and_shrinking_keeps_the_cached_rows(tiny_artifact):
