@@ -11,7 +11,7 @@ from models.train_data import DataError
 from models.weights import WeightsError
 
 from .artifact import ArtifactError, check_output
-from .onnx_graph import ATTENTIONS, PRECISIONS
+from .onnx_graph import ATTENTIONS, INT8_BLOCK, INT8_BLOCKS, PRECISIONS
 from models.gguf_blocks import GGUFBlocksError
 
 from .common import DEFAULT_DRAFT_VOCAB, DEFAULT_PRECISION, ExportError, choose_draft_vocab
@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTIONS, help="exact: every verified tree node computed bitwise "
                    "as plain decoding computes it (default on CPU precisions); fused: GroupQueryAttention "
                    "(default for fp16/CUDA)")
+    p.add_argument("--int8-block", type=int, choices=INT8_BLOCKS, default=INT8_BLOCK,
+                   help=f"block size of int8 weights and activations (onnx; default {INT8_BLOCK}): 64 decodes "
+                   "faster and rounds more (README, 'Precisions')")
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, metavar="N",
                    help="the draft ranks only the N most frequent reply tokens (verification keeps the whole "
                    f"vocabulary; 0 = all tokens; default {DEFAULT_DRAFT_VOCAB})")
@@ -75,9 +78,9 @@ def main(argv=None) -> int:
         if precision not in allowed:
             raise ExportError(f"unsupported precision {precision!r} for --target {args.target}; "
                               f"choose one of {', '.join(allowed)}")
-        if args.target != "onnx" and (args.draft_precision or args.attention):
-            raise ExportError(f"--draft-precision and --attention apply to --target onnx only; a {args.target} "
-                              "artifact's draft takes the base's precision and its attention is exact")
+        if args.target != "onnx" and (args.draft_precision or args.attention or args.int8_block != INT8_BLOCK):
+            raise ExportError(f"--draft-precision, --attention and --int8-block apply to --target onnx only; a "
+                              f"{args.target} artifact's draft takes the base's precision and its attention is exact")
         if args.target == "ipex":
             from .torch_export import import_ipex
             import_ipex()  # before loading weights, which can take minutes
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
         if args.target == "onnx":
             manifest = export_onnx(ckpt, out, precision, args.max_length, verify=not args.no_verify,
                                    overwrite=args.force, log=log, draft_precision=args.draft_precision,
-                                   attention=args.attention, draft_vocab=vocab)
+                                   attention=args.attention, draft_vocab=vocab, int8_block=args.int8_block)
         else:
             from .torch_export import export_torch
             manifest = export_torch(ckpt, out, args.target, precision, args.max_length, verify=not args.no_verify,

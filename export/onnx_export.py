@@ -17,7 +17,7 @@ from models.weights import Checkpoint
 from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
-from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, PRECISIONS, WeightStore, build_base, build_draft,
+from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WeightStore, build_base, build_draft,
                          build_draft_eagle3, lm_head_name)
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
@@ -43,14 +43,18 @@ def default_attention(precision: str) -> str:
 
 def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length: int | None = None,
                 verify: bool = True, overwrite: bool = False, log=print, draft_precision: str | None = None,
-                attention: str | None = None, draft_vocab: DraftVocab | None = None) -> dict:
-    """`draft_vocab`: the head drafts from these tokens only (models/draft_vocab.py); None = all."""
+                attention: str | None = None, draft_vocab: DraftVocab | None = None,
+                int8_block: int = INT8_BLOCK) -> dict:
+    """`draft_vocab`: the head drafts from these tokens only (models/draft_vocab.py); None = all.
+    `int8_block`: the block size of int8 weights (base and draft), one of INT8_BLOCKS."""
     if precision not in PRECISIONS:
         raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     attention = attention or default_attention(precision)
     if attention not in ATTENTIONS:
         raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     draft_precision = draft_precision or default_draft_precision(precision)
+    if int8_block not in INT8_BLOCKS:
+        raise ExportError(f"unsupported int8 block size {int8_block}; choose one of {', '.join(map(str, INT8_BLOCKS))}")
     if draft_precision not in DRAFT_PRECISIONS:
         raise ExportError(f"unsupported draft precision {draft_precision!r}; choose one of {', '.join(DRAFT_PRECISIONS)}")
     blocks = None
@@ -75,7 +79,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
         eagle3 = ckpt.head_cfg is not None and ckpt.head_cfg.eagle3
         fc = ckpt.head_state["fc.weight"].float().numpy() if eagle3 else None
         with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
-            base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks, fc)
+            base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks, fc, int8_block)
         (tmp / "base.onnx").write_bytes(base.SerializeToString())
         graphs = {"base": graph_spec(base, "base.onnx")}
         if ckpt.head_cfg is not None:
@@ -84,12 +88,13 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             if eagle3:
                 head_state["eagle3_lm_head.weight"] = head_state.pop("lm_head.weight")
                 head_state["d2t"] = ckpt.head_state["d2t"].numpy()
-                draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store)
+                draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
+                                           int8_block)
             else:
                 lm = lm_head_name(cfg)
                 head_state[lm] = state[lm]
                 draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
-                                    None if draft_vocab is None else draft_vocab.ids)
+                                    None if draft_vocab is None else draft_vocab.ids, int8_block)
             (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
             graphs["draft"] = graph_spec(draft, "draft.onnx")
         with tqdm(total=store.nbytes, desc="weights", unit="B", unit_scale=True, file=sys.stderr) as bar:
@@ -112,6 +117,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # agrees), so the runtime runs one-token steps of such artifacts as two rows.
             "verify_min_rows": 2 if blocks and any(b.bits == 4 for b in blocks.values()) else 1,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
+            "int8_block": int8_block if "int8" in (precision, draft_precision) else None,
             "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "io_dtype": "float16" if precision == "fp16" else "float32",
             "max_length": max_length,

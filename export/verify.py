@@ -13,7 +13,7 @@ from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, base_features, causal_bias
 from runtime.engine import open_session
 
-from .onnx_graph import dequantize_8bit, quantize_8bit
+from .onnx_graph import INT8_BLOCK, dequantize_8bit, quantize_8bit
 
 # Largest allowed max|graph - reference| / max|reference| per tensor, by precision. The reference
 # holds the graph's own weights (fp16-rounded or 8-bit dequantized), so what remains is the graph's
@@ -27,7 +27,7 @@ class ParityError(AssertionError):
     pass
 
 
-def stored_weights(state: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+def stored_weights(state: dict[str, torch.Tensor], precision: str, int8_block: int = INT8_BLOCK) -> dict[str, torch.Tensor]:
     """The weights as the graph holds them (rounded to fp16, or 8-bit dequantized), in fp32. A gguf
     graph holds the checkpoint's own values (the GGUF's blocks, which it was dequantized from)."""
     out = {}
@@ -41,26 +41,27 @@ def stored_weights(state: dict[str, torch.Tensor], precision: str) -> dict[str, 
         elif precision == "bf16":
             t = t.bfloat16().float()
         elif precision == "int8" and name.endswith(LINEAR_SUFFIXES):
-            q, s = quantize_8bit(t.numpy())
+            q, s = quantize_8bit(t.numpy(), int8_block)
             t = torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
         out[name] = t
     return out
 
 
-def reference_models(cfg, state, head_cfg, head_state, precision, draft_precision, n_positions):
+def reference_models(cfg, state, head_cfg, head_state, precision, draft_precision, n_positions,
+                     int8_block: int = INT8_BLOCK):
     """PyTorch twins of the exported graphs: the base, the head and the lm_head the draft graph
     uses. Always untied here: in an int8 graph the lm_head is quantized but the embedding is not,
     and the draft graph may hold its lm_head in another precision than the base."""
     base = CausalLM(cfg, n_positions).eval()
-    base.load_state_dict({k: v for k, v in stored_weights(state, precision).items() if k != "lm_head.weight"},
+    base.load_state_dict({k: v for k, v in stored_weights(state, precision, int8_block).items() if k != "lm_head.weight"},
                          strict=False)
     lm = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-    base.lm_head.weight = torch.nn.Parameter(stored_weights({"lm_head.weight": lm}, precision)["lm_head.weight"])
+    base.lm_head.weight = torch.nn.Parameter(stored_weights({"lm_head.weight": lm}, precision, int8_block)["lm_head.weight"])
     if head_cfg is None:
         return base, None, None
     head = (Eagle3Head if head_cfg.eagle3 else EagleHead)(head_cfg, n_positions).eval()
-    head.load_state_dict(stored_weights(head_state, draft_precision))
-    return base, head, stored_weights({"lm_head.weight": lm}, draft_precision)["lm_head.weight"]
+    head.load_state_dict(stored_weights(head_state, draft_precision, int8_block))
+    return base, head, stored_weights({"lm_head.weight": lm}, draft_precision, int8_block)["lm_head.weight"]
 
 
 def random_tree(t: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -90,8 +91,9 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
     io_dtype = manifest["io_dtype"]
     rng = np.random.default_rng(seed)
     cache_len = prefill + tree + 4
+    int8_block = manifest.get("int8_block") or INT8_BLOCK
     base_ref, head_ref, draft_lm = reference_models(cfg, state, head_cfg, head_state, precision, draft_precision,
-                                                    n_pos)
+                                                    n_pos, int8_block)
     parents, depth = random_tree(tree, rng)
     steps = [  # (ids, positions, bias, start)
         (rng.integers(0, cfg.vocab_size, (1, prefill)), np.arange(prefill)[None], causal_bias(prefill).numpy(), 0),
@@ -117,7 +119,7 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
                 # The base graph outputs the head's fc of the fused layer inputs, in the base's precision.
                 logits, aux = base_features(base_ref, torch.from_numpy(ids), torch.from_numpy(pos),
                                             torch.from_numpy(bias), cache, start)
-                hidden = aux @ stored_weights({"fc.weight": head_state["fc.weight"]}, precision)["fc.weight"].T
+                hidden = aux @ stored_weights({"fc.weight": head_state["fc.weight"]}, precision, int8_block)["fc.weight"].T
             else:
                 logits, hidden = base_ref(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(bias), cache,
                                           start)

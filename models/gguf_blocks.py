@@ -36,16 +36,17 @@ class Blocks:
     data: np.ndarray            # uint8 [N, K / 32, 32 * bits / 8]; 4-bit: element 2i low nibble, 2i+1 high
     scales: np.ndarray          # float32 [N, K / 32]
     offsets: np.ndarray | None  # float32 [N, K / 32], or None
+    block: int = BLOCK          # 32 for every GGUF type read here; the int8 precision may use 64
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.data.shape[1] * BLOCK
+        return self.data.shape[0], self.data.shape[1] * self.block
 
     def dequantize(self) -> np.ndarray:
         if self.bits == 8:
             q = self.data.astype(np.float32) - 128
         else:
-            q = np.stack([self.data & 15, self.data >> 4], axis=-1).reshape(*self.data.shape[:2], BLOCK)
+            q = np.stack([self.data & 15, self.data >> 4], axis=-1).reshape(*self.data.shape[:2], self.block)
             q = q.astype(np.float32) - 8
         w = q * self.scales[..., None]
         if self.offsets is not None:
@@ -54,15 +55,15 @@ class Blocks:
 
     def rows(self, index: np.ndarray) -> "Blocks":
         return Blocks(self.bits, self.data[index], self.scales[index],
-                      None if self.offsets is None else self.offsets[index])
+                      None if self.offsets is None else self.offsets[index], self.block)
 
     @staticmethod
     def concat(parts: list["Blocks"]) -> "Blocks":
-        if len({p.bits for p in parts}) != 1 or len({p.offsets is None for p in parts}) != 1:
+        if len({(p.bits, p.block) for p in parts}) != 1 or len({p.offsets is None for p in parts}) != 1:
             raise GGUFBlocksError("cannot fuse tensors stored in different GGUF quantizations")
         offsets = None if parts[0].offsets is None else np.concatenate([p.offsets for p in parts])
         return Blocks(parts[0].bits, np.concatenate([p.data for p in parts]),
-                      np.concatenate([p.scales for p in parts]), offsets)
+                      np.concatenate([p.scales for p in parts]), offsets, parts[0].block)
 
 
 def from_gguf_rows(raw: np.ndarray, qtype: str) -> Blocks:

@@ -30,13 +30,16 @@ BLOCK = EXACT_KEY_BLOCK  # the trees sit at the end of a key block, at the start
 MAX_LENGTH = 2 * BLOCK
 # Every artifact kind whose manifest says verify_exact (torch and IPEX fp32 do not: their GEMMs round
 # products of 1, 2-12 and 16+ rows differently).
-KINDS = [("onnx", "fp32"), ("onnx", "int8"), ("torch", "bf16"), ("ipex", "bf16"), ("ipex", "int8")]
+# "int8/64": int8 with weight blocks of 64 (export --int8-block 64).
+KINDS = [("onnx", "fp32"), ("onnx", "int8"), ("onnx", "int8/64"), ("torch", "bf16"), ("ipex", "bf16"), ("ipex", "int8")]
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 
 
 def export(checkpoint, path, target: str, precision: str, threads: int | None = None):
     if target == "onnx":
-        export_onnx(checkpoint, path, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None)
+        precision, _, block = precision.partition("/")
+        export_onnx(checkpoint, path, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None,
+                    int8_block=int(block or 32))
     else:
         from export.torch_export import export_torch
         export_torch(checkpoint, path, target, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None)
@@ -67,7 +70,7 @@ def generator(request, checkpoint, tmp_path_factory):
         pytest.skip("intel-extension-for-pytorch is not installed here (ci/test_ipex.sh runs these)")
     if (target, precision) == ("ipex", "bf16") and not ipex_bf16_supported(cpu_flags()):
         pytest.skip(IPEX_BF16_NEEDS)
-    gen = export(checkpoint, tmp_path_factory.mktemp("bitwise") / f"{target}-{precision}", target, precision)
+    gen = export(checkpoint, tmp_path_factory.mktemp("bitwise") / "artifact", target, precision)
     if not gen.verify_exact:
         pytest.skip("the load-time check (runtime.engine.Engine: attention key order and a branching tree) "
                     "finds this CPU's kernels inexact for this torch artifact, so it claims no exactness here")
@@ -133,11 +136,11 @@ def wide_head_checkpoint() -> Checkpoint:
                                head_state=head.state_dict(), source="tiny-llama with head_dim 64")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int8/64"])
 def test_verified_rows_do_not_depend_on_the_thread_count(precision, tmp_path):
     """8 threads (more than this machine's cores: it is how many split a product that matters): every
     row of a tree still equals the token decoded alone, at contexts spanning several 128-key blocks."""
-    gen = export(wide_head_checkpoint(), tmp_path / precision, "onnx", precision, threads=8)
+    gen = export(wide_head_checkpoint(), tmp_path / "artifact", "onnx", precision, threads=8)
     engine, vocab = gen.engine, gen.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(8)
     for size, context in ((3, 300), (8, 700), (16, 500)):
