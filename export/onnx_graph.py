@@ -64,7 +64,7 @@ EXP_FLOOR = -80.0
 INT8_BLOCK = 32
 # Weight block sizes the int8 precision offers. Level 4 also quantizes the activations per block, so
 # 64 rounds more (SmolLM2-135M's top-1 agreement with fp32 0.956 against 0.972 at 32) for fewer
-# scale products (plain decoding 1.19x, EAGLE-2 3/1/2 1.11x faster on an AMD Zen 4, measured).
+# scale products (on an AMD Zen 4, plain decoding 1.08x and EAGLE-2 3/1/2 1.03x faster; README).
 INT8_BLOCKS = (32, 64)
 # Level 4 = int8 activations x int8 weights (VNNI): 2x faster than fp32 decoding on this CPU;
 # level 0 (fp32 compute) decodes at 2 tok/s. Caveat, measured: onnxruntime 1.32 computes one-row

@@ -33,9 +33,9 @@ class Blocks:
     """One weight [N, K] in MatMulNBits layout: w[n, k] = scales[n, b] * (q - zero) + offsets[n, b] for
     k in block b, zero = 2^(bits - 1)."""
     bits: int
-    data: np.ndarray            # uint8 [N, K / 32, 32 * bits / 8]; 4-bit: element 2i low nibble, 2i+1 high
-    scales: np.ndarray          # float32 [N, K / 32]
-    offsets: np.ndarray | None  # float32 [N, K / 32], or None
+    data: np.ndarray            # uint8 [N, K / block, block * bits / 8]; 4-bit: element 2i low nibble, 2i+1 high
+    scales: np.ndarray          # float32 [N, K / block]
+    offsets: np.ndarray | None  # float32 [N, K / block], or None
     block: int = BLOCK          # 32 for every GGUF type read here; the int8 precision may use 64
 
     @property

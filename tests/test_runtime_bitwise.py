@@ -16,7 +16,7 @@ import torch
 import runtime
 from eagle2 import tree_from_parents
 from export.onnx_export import export_onnx
-from export.onnx_graph import EXACT_KEY_BLOCK
+from export.onnx_graph import EXACT_KEY_BLOCK, INT8_BLOCK
 from export.torch_export import IPEX_BF16_NEEDS, ipex_bf16_supported
 from models.llama import CausalLM, EagleHead
 from models.registry import load_checkpoint
@@ -39,23 +39,28 @@ def export(checkpoint, path, target: str, precision: str, threads: int | None = 
     if target == "onnx":
         precision, _, block = precision.partition("/")
         export_onnx(checkpoint, path, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None,
-                    int8_block=int(block or 32))
+                    int8_block=int(block or INT8_BLOCK))
     else:
         from export.torch_export import export_torch
         export_torch(checkpoint, path, target, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None)
     return runtime.load(path, provider="cpu" if target == "onnx" else target, threads=threads)
 
 
-def mha_checkpoint() -> Checkpoint:
-    """tiny-llama with as many kv heads as query heads: the exact attention batches over tokens then."""
+def reshaped_checkpoint(seed: int, source: str, **config) -> Checkpoint:
+    """tiny-llama with other sizes (`config`: ModelConfig fields) and random weights of its own."""
     ckpt = load_checkpoint("tiny-llama")
-    cfg = dataclasses.replace(ckpt.cfg, num_kv_heads=ckpt.cfg.num_heads)
-    g = torch.Generator().manual_seed(3)
+    cfg = dataclasses.replace(ckpt.cfg, **config)
+    g = torch.Generator().manual_seed(seed)
     base, head = CausalLM(cfg), EagleHead(dataclasses.replace(cfg, num_layers=1))
     randomize(base, g)
     randomize(head, g)
     return dataclasses.replace(ckpt, cfg=cfg, head_cfg=head.cfg, state=base.state_dict(),
-                               head_state=head.state_dict(), source="tiny-llama with 4 kv heads")
+                               head_state=head.state_dict(), source=source)
+
+
+def mha_checkpoint() -> Checkpoint:
+    """tiny-llama with as many kv heads as query heads: the exact attention batches over tokens then."""
+    return reshaped_checkpoint(3, "tiny-llama with 4 kv heads", num_kv_heads=load_checkpoint("tiny-llama").cfg.num_heads)
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "mha"])
@@ -126,14 +131,8 @@ def test_every_verified_row_equals_the_token_decoded_alone(generator, size):
 def wide_head_checkpoint() -> Checkpoint:
     """tiny-llama with SmolLM2's head size (64): value products as wide as a real model's, which ONNX
     Runtime splits between threads once it has 4 or more."""
-    ckpt = load_checkpoint("tiny-llama")
-    cfg = dataclasses.replace(ckpt.cfg, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64)
-    g = torch.Generator().manual_seed(5)
-    base, head = CausalLM(cfg), EagleHead(dataclasses.replace(cfg, num_layers=1))
-    randomize(base, g)
-    randomize(head, g)
-    return dataclasses.replace(ckpt, cfg=cfg, head_cfg=head.cfg, state=base.state_dict(),
-                               head_state=head.state_dict(), source="tiny-llama with head_dim 64")
+    return reshaped_checkpoint(5, "tiny-llama with head_dim 64", hidden_size=256, num_heads=4, num_kv_heads=2,
+                               head_dim=64)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int8/64"])
