@@ -43,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
                    "as plain decoding computes it (default on CPU precisions); fused: GroupQueryAttention "
                    "(default for fp16/CUDA)")
     p.add_argument("--int8-block", type=int, choices=INT8_BLOCKS, default=INT8_BLOCK,
-                   help=f"block size of int8 weights and activations (onnx; default {INT8_BLOCK}): 64 decodes "
-                   "faster and rounds more (README, 'Precisions')")
+                   help=f"block size of int8 weights and activations (onnx; default {INT8_BLOCK}): 32 rounds "
+                   "closer to the source weights and decodes slower (README, 'Precisions')")
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, metavar="N",
                    help="the draft ranks only the N most frequent reply tokens (verification keeps the whole "
                    f"vocabulary; 0 = all tokens; default {DEFAULT_DRAFT_VOCAB})")
