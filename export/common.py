@@ -11,14 +11,17 @@ from models.weights import Checkpoint
 
 from .artifact import write_manifest
 
-# Tree sizes by precision (README "Choosing the tree"): on a 2-core CPU every draft call and every
-# extra verified token costs a sizeable share of a decode step, so CPU precisions default to the
-# smallest tree measured (4/2/2 was the fastest of 4..60 tokens with the shipped SmolLM2 head);
+# Tree sizes by precision, used until `python -m runtime tune` records one for the machine: on a
+# 2-core CPU every draft call and every extra verified token costs a sizeable share of a decode
+# step, so CPU precisions default to a small tree. Three tokens at depth 1 were tune's choice on an
+# Intel Xeon (3/1/4) and an AMD Zen 4 (3/1/2), and 3/1/2 decoded MT-bench 1.04x faster than 4/2/2
+# on the Zen 4 (README). 2/0/2, tune's choice there once depth 0 existed, rests on a two-row step
+# costing what a one-row one does, which a CPU bound by compute rather than memory does not give.
 # fp16 targets CUDA, where EAGLE-2's own default is right.
 DEFAULT_TREE = {
-    "fp32": {"total_tokens": 4, "depth": 2, "top_k": 2},
-    "int8": {"total_tokens": 4, "depth": 2, "top_k": 2},
-    "gguf": {"total_tokens": 4, "depth": 2, "top_k": 2},
+    "fp32": {"total_tokens": 3, "depth": 1, "top_k": 2},
+    "int8": {"total_tokens": 3, "depth": 1, "top_k": 2},
+    "gguf": {"total_tokens": 3, "depth": 1, "top_k": 2},
     "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10},
 }
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.

@@ -84,8 +84,9 @@ class Generator:
         if speculative is None:
             speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
-                        total_tokens=total_tokens or d["total_tokens"], depth=depth or d["depth"],
-                        top_k=top_k or d["top_k"], temperature=temperature, top_p=top_p,
+                        total_tokens=d["total_tokens"] if total_tokens is None else total_tokens,
+                        depth=d["depth"] if depth is None else depth,
+                        top_k=d["top_k"] if top_k is None else top_k, temperature=temperature, top_p=top_p,
                         sampling_top_k=sampling_top_k, seed=seed)
 
     def _prompt_ids(self, prompt) -> list[int]:

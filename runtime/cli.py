@@ -21,7 +21,7 @@ def _common(p):
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding (the baseline)")
     p.add_argument("--total-tokens", type=int, help="tokens verified per cycle (default: the artifact's)")
-    p.add_argument("--depth", type=int, help="draft expansions per cycle")
+    p.add_argument("--depth", type=int, help="draft expansions per cycle (0: the root's draft children only)")
     p.add_argument("--top-k", type=int, help="draft branching per node")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -56,9 +56,10 @@ def _decoding(gen, a) -> str:
     """What decoding the command's arguments select, in words."""
     if a.no_speculative:
         return "plain decoding"
-    if a.total_tokens or a.depth or a.top_k:
+    chosen = (a.total_tokens, a.depth, a.top_k)
+    if any(v is not None for v in chosen):
         d = gen.tree_defaults
-        tree = (a.total_tokens or d["total_tokens"], a.depth or d["depth"], a.top_k or d["top_k"])
+        tree = [d[name] if v is None else v for name, v in zip(("total_tokens", "depth", "top_k"), chosen)]
         return "EAGLE-2 tree {}/{}/{}".format(*tree)
     return gen.describe_default()
 

@@ -39,11 +39,12 @@ class Settings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.speculative and engine.draft is None:
             raise ValueError("this artifact has no draft head (exported with --no-head); use speculative=False")
-        limits = (("total_tokens", self.total_tokens, MAX_TREE_TOKENS), ("depth", self.depth, MAX_DEPTH),
-                  ("top_k", self.top_k, MAX_TOP_K))
-        for name, value, limit in limits:
-            if not 1 <= value <= limit:
-                raise ValueError(f"{name} must be in [1, {limit}], got {value}")
+        # depth 0: the tree is drawn from the root's draft children alone, one draft call a cycle.
+        limits = (("total_tokens", self.total_tokens, 1, MAX_TREE_TOKENS), ("depth", self.depth, 0, MAX_DEPTH),
+                  ("top_k", self.top_k, 1, MAX_TOP_K))
+        for name, value, low, high in limits:
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -102,7 +103,7 @@ class Decoder:
         return out
 
     def _draft_tree(self, root: int, context: int, head, limit: int):
-        """EAGLE-2 expand + rerank. `head` = (hidden, ids, logp) of the root's draft row."""
+        """EAGLE-2 expand (depth draft calls) + rerank. `head` = (hidden, ids, logp) of the root's draft row."""
         hidden, ids, logp = head
         pool, k = self.pool, self.s.top_k
         pool.reset(root, ids[:k], logp[:k])

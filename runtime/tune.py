@@ -1,7 +1,7 @@
 """Choose the draft tree for the machine the runtime runs on.
 
     python -m runtime tune ARTIFACT [--provider cpu] [--prompts FILE.jsonl] [--n 6] [--max-new-tokens 96]
-                                    [--depths 1,2,3,4] [--top-ks 1,2,3,4] [--plot tune.png]
+                                    [--depths 0,1,2,3,4] [--top-ks 1,2,3,4] [--plot tune.png]
 
 What a tree is worth depends on the machine: the verify step's cost grows with the tree at a rate
 set by the kernels and the cores, the draft's with depth and branching. This measures both here,
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                    "evaluate on out of tuning)")
     p.add_argument("--n", type=int, default=6, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--depths", default="1,2,3,4")
+    p.add_argument("--depths", default="0,1,2,3,4")
     p.add_argument("--top-ks", default="1,2,3,4")
     p.add_argument("--plot", help="write predicted speedup against tree size here")
     a = p.parse_args(argv)

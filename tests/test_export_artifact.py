@@ -116,7 +116,7 @@ def test_manifest_contents(tiny_artifact, name, precision):
     # Graph inputs/outputs: names, dtypes, shapes.
     assert m["graphs"] == expected_specs(ckpt.cfg, head=True)
     # Default tree parameters for the precision (small trees on CPU).
-    assert m["tree_defaults"] == DEFAULT_TREE[precision] == {"total_tokens": 4, "depth": 2, "top_k": 2}
+    assert m["tree_defaults"] == DEFAULT_TREE[precision] == {"total_tokens": 3, "depth": 1, "top_k": 2}
     # Stop tokens: the eos (<|im_end|>) and <|endoftext|>, inside the vocabulary.
     vocab = ckpt.tokenizer.get_vocab()
     assert m["stop_token_ids"] == sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"], *ckpt.cfg.eos_token_ids})

@@ -130,6 +130,14 @@ def test_bad_generation_arguments(gen):
         gen.generate("x", max_new_tokens=0)
     with pytest.raises(ValueError, match="top_k"):
         gen.generate("x", top_k=100)
+    # 0 is a value, not "the default": refused where it is out of range, used where it is not.
+    for name in ("total_tokens", "top_k"):
+        with pytest.raises(ValueError, match=rf"{name} must be in \[1, "):
+            gen.generate("x", max_new_tokens=3, **{name: 0})
+    with pytest.raises(ValueError, match=r"depth must be in \[0, "):
+        gen.generate("x", max_new_tokens=3, depth=-1)
+    assert gen.generate("x", max_new_tokens=3, total_tokens=3, depth=0, top_k=2).token_ids == \
+        gen.generate("x", max_new_tokens=3, speculative=False).token_ids
     with pytest.raises(ValueError, match="empty"):
         gen.generate([], max_new_tokens=3)
     with pytest.raises(ValueError, match="token ids"):

@@ -8,7 +8,7 @@ from export.onnx_export import export_onnx
 from models.registry import load_checkpoint
 
 PROMPTS = ["hello world", "The quick brown fox", "a", "Once upon a time, in a land far away, there lived"]
-TREES = [(8, 3, 2), (60, 5, 10)]
+TREES = [(8, 3, 2), (60, 5, 10), (3, 0, 2)]  # depth 0: the root's draft children only
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
