@@ -49,11 +49,12 @@ def exact_distribution(ckpt, temperature, top_p, top_k):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def draw(gen, n, temperature, top_p, top_k):
+def draw(gen, n, temperature, top_p, top_k, tree=(8, 3, 3)):
     counts = np.zeros((VOCAB,) * 3)
+    total_tokens, depth, branching = tree
     for seed in range(n):
         out = gen.generate(PROMPT, max_new_tokens=3, temperature=temperature, top_p=top_p, sampling_top_k=top_k,
-                           seed=seed, total_tokens=8, depth=3, top_k=3)
+                           seed=seed, total_tokens=total_tokens, depth=depth, top_k=branching)
         counts[tuple(out.token_ids)] += 1
     return counts
 
@@ -82,6 +83,13 @@ def test_speculative_sampling_matches_the_base_distribution(small_vocab, tempera
     exact = exact_distribution(ckpt, temperature, top_p, top_k)
     counts = draw(gen, DRAWS, temperature, top_p, top_k)
     assert pvalue(counts, exact) > ALPHA
+
+
+def test_depth_zero_trees_sample_the_base_distribution(small_vocab):
+    """A tree drawn from the root's draft children only (one draft call a cycle)."""
+    ckpt, gen = small_vocab
+    exact = exact_distribution(ckpt, 1.0, 1.0, 0)
+    assert pvalue(draw(gen, DRAWS, 1.0, 1.0, 0, tree=(3, 0, 2)), exact) > ALPHA
 
 
 def accept_without_rejection(tree, probs, rng):
