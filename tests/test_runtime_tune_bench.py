@@ -7,8 +7,13 @@ import pytest
 
 import runtime
 from eagle2 import tree_from_parents
+from export.common import DEFAULT_TREE
 from runtime import acceptance, bench, tune
 from runtime.prompts import load_prompts
+
+# The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
+DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")]
+DEFAULT_NAME = "/".join(map(str, DEFAULT))
 
 
 def test_acceptance_of_smaller_trees_from_one_cycle():
@@ -50,7 +55,7 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
                        "--trees", "default,6/3/2", "--report", f"{out}.md", "--json", f"{out}.json",
                        "--plot", f"{out}.png", "--reference", str(artifact)]) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["tree"] for r in data["rows"]] == [None, [4, 2, 2], [6, 3, 2]]
+    assert [r["tree"] for r in data["rows"]] == [None, DEFAULT, [6, 3, 2]]
     plain, *trees = data["rows"]
     assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in trees)
     assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in data["rows"])
@@ -67,7 +72,7 @@ def test_acceptance_by_category(artifact, tmp_path):
                             "--max-new-tokens", "16", "--json", str(tmp_path / "tau.json"),
                             "--report", str(tmp_path / "tau.md")]) == 0
     results = json.loads((tmp_path / "tau.json").read_text())["results"][str(artifact)]
-    assert set(results) == {"6/3/2", "4/2/2"}
+    assert set(results) == {"6/3/2", DEFAULT_NAME}
     for cats in results.values():
         assert set(cats) == {"builtin", "chat", "math"}
         assert all(cycles > 0 and cycles <= accepted <= 4 * cycles for accepted, cycles in cats.values())
