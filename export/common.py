@@ -18,12 +18,9 @@ from .artifact import write_manifest
 # on the Zen 4 (README). 2/0/2, tune's choice there once depth 0 existed, rests on a two-row step
 # costing what a one-row one does, which a CPU bound by compute rather than memory does not give.
 # fp16 targets CUDA, where EAGLE-2's own default is right.
-DEFAULT_TREE = {
-    "fp32": {"total_tokens": 3, "depth": 1, "top_k": 2},
-    "int8": {"total_tokens": 3, "depth": 1, "top_k": 2},
-    "gguf": {"total_tokens": 3, "depth": 1, "top_k": 2},
-    "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10},
-}
+CPU_TREE = {"total_tokens": 3, "depth": 1, "top_k": 2}
+DEFAULT_TREE = {"fp32": CPU_TREE, "int8": CPU_TREE, "gguf": CPU_TREE,
+                "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10}}
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
 TREE_POSITION_MARGIN = 64
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")

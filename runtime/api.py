@@ -78,15 +78,17 @@ class Generator:
             return f"plain decoding ({self.tree_source})" if self.engine.draft is not None else "plain decoding (no head)"
         return "EAGLE-2 tree {total_tokens}/{depth}/{top_k}".format(**self.tree_defaults) + f" ({self.tree_source})"
 
+    def tree(self, total_tokens=None, depth=None, top_k=None) -> dict:
+        """The tree a call with these arguments gets: each None is the default tree's value (0 is a value)."""
+        chosen = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+        return {name: self.tree_defaults[name] if v is None else v for name, v in chosen.items()}
+
     def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
                   sampling_top_k, seed) -> Settings:
-        d = self.tree_defaults
         if speculative is None:
             speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
-                        total_tokens=d["total_tokens"] if total_tokens is None else total_tokens,
-                        depth=d["depth"] if depth is None else depth,
-                        top_k=d["top_k"] if top_k is None else top_k, temperature=temperature, top_p=top_p,
+                        **self.tree(total_tokens, depth, top_k), temperature=temperature, top_p=top_p,
                         sampling_top_k=sampling_top_k, seed=seed)
 
     def _prompt_ids(self, prompt) -> list[int]:

@@ -56,11 +56,8 @@ def _decoding(gen, a) -> str:
     """What decoding the command's arguments select, in words."""
     if a.no_speculative:
         return "plain decoding"
-    chosen = (a.total_tokens, a.depth, a.top_k)
-    if any(v is not None for v in chosen):
-        d = gen.tree_defaults
-        tree = [d[name] if v is None else v for name, v in zip(("total_tokens", "depth", "top_k"), chosen)]
-        return "EAGLE-2 tree {}/{}/{}".format(*tree)
+    if any(v is not None for v in (a.total_tokens, a.depth, a.top_k)):
+        return "EAGLE-2 tree {total_tokens}/{depth}/{top_k}".format(**gen.tree(a.total_tokens, a.depth, a.top_k))
     return gen.describe_default()
 
 
