@@ -37,8 +37,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", help="onnx: int8 (8-bit weights; default: the fastest lossless CPU artifact), "
                    "fp32, fp16 (CUDA), gguf (a GGUF's own quantized weights as they are: Q4_0, Q4_1, Q8_0); "
                    "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
-    p.add_argument("--draft-precision", help="precision of the draft graph (default: int8 for fp32/int8 "
-                   "bases, fp16 for fp16)")
+    p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "
+                   "bases, fp16 for fp16; ipex: int8; torch: the base's)")
     p.add_argument("--attention", choices=ATTENTIONS, help="exact: every verified tree node computed bitwise "
                    "as plain decoding computes it (default on CPU precisions); fused: GroupQueryAttention "
                    "(default for fp16/CUDA)")
@@ -78,9 +78,9 @@ def main(argv=None) -> int:
         if precision not in allowed:
             raise ExportError(f"unsupported precision {precision!r} for --target {args.target}; "
                               f"choose one of {', '.join(allowed)}")
-        if args.target != "onnx" and (args.draft_precision or args.attention or args.int8_block != INT8_BLOCK):
-            raise ExportError(f"--draft-precision, --attention and --int8-block apply to --target onnx only; a "
-                              f"{args.target} artifact's draft takes the base's precision and its attention is exact")
+        if args.target != "onnx" and (args.attention or args.int8_block != INT8_BLOCK):
+            raise ExportError(f"--attention and --int8-block apply to --target onnx only; a {args.target} "
+                              "artifact's attention is exact")
         if args.target == "ipex":
             from .torch_export import import_ipex
             import_ipex()  # before loading weights, which can take minutes
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
         else:
             from .torch_export import export_torch
             manifest = export_torch(ckpt, out, args.target, precision, args.max_length, verify=not args.no_verify,
-                                    overwrite=args.force, log=log, draft_vocab=vocab)
+                                    overwrite=args.force, log=log, draft_vocab=vocab,
+                                    draft_precision=args.draft_precision)
     except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError,
             GGUFBlocksError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,9 +9,10 @@ softmax denominator). The base returns logits [1, R, V] and the post-norm hidden
 the hidden states and its top MAX_K (ids in base vocabulary, log-probs); the runtime keeps k.
 
 Attention runs in fp32 whatever the weights' precision, as products over the cache in which each
-query row is its own batch entry of a fixed number of rows, so a row's arithmetic is the same
-whatever the step size and wherever its keys sit (measured on PyTorch's CPU kernels; the bitwise
-tests check it). Linear layers are whatever the target makes of them (IPEX's bf16 and weight-only
+token's query rows of a kv head are one product of a fixed number of rows, and the value sums run
+in fixed blocks of KEY_BLOCK keys, so a row's arithmetic is the same whatever the step size, the
+cache's capacity and wherever its keys sit inside their block (measured on PyTorch's CPU kernels;
+the bitwise tests and the runtime's load-time check test it). Linear layers are whatever the target makes of them (IPEX's bf16 and weight-only
 int8 kernels compute each row independently of the others, measured; plain fp32 GEMMs do not).
 """
 from __future__ import annotations
@@ -24,6 +25,9 @@ from models.llama import CausalLM, Eagle3Head, EagleHead, eagle3_layers, rotate
 from .onnx_graph import EXP_FLOOR
 
 MAX_K = 16  # top-k the draft graph returns (the runtime's largest draft branching)
+# Keys per block of the attention's value sums (value_product); the runtime's capacity steps
+# (runtime/torch_session.CACHE_STEP) are a multiple of it, and trees never straddle a block.
+KEY_BLOCK = 256
 
 
 def fuse(linears: list[nn.Linear]) -> nn.Linear:
@@ -42,6 +46,38 @@ def query_rows(cfg) -> int:
     """Query rows per kv head and token: at least 3, below which PyTorch's CPU GEMM switches to other
     kernels (measured: 1 and 2 rows round differently from 3 and more)."""
     return max(cfg.num_heads // cfg.num_kv_heads, 3)
+
+
+@torch.jit.script
+def cache_product(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """rows [T, kv, r, n] @ cache [1, kv, n, m] -> [T, kv, r, m], as products of r rows each over
+    the cache read in place: one batched product per token (batch: the kv heads) or per kv head
+    (batch: the tokens, the head's cache repeated by a stride-0 batch), whichever makes fewer calls.
+    Every token's r rows are one small product of the same shape whatever T is; torch.matmul's
+    broadcast would instead copy the whole cache T times (at T = 16, 30 ms of a 67 ms step,
+    measured). Scripted, so that the traced graphs keep the choice for every step size."""
+    t, kv = rows.shape[0], cache.shape[1]
+    parts: list[torch.Tensor] = []
+    if t <= kv:
+        for i in range(t):
+            parts.append(torch.matmul(rows[i:i + 1], cache))
+        return torch.cat(parts, dim=0)
+    for h in range(kv):
+        parts.append(torch.bmm(rows[:, h], cache[0, h].expand(t, -1, -1)))
+    return torch.stack(parts, dim=1)
+
+
+@torch.jit.script
+def value_product(probs: torch.Tensor, cache: torch.Tensor, block: int) -> torch.Tensor:
+    """probs [T, kv, r, capacity] @ cache [1, kv, capacity, m], the key sum taken in blocks of `block`
+    keys added in order: a GEMM blocks a long key sum by its length (measured on a Xeon: a row's sum
+    over 512 keys rounds otherwise than over 768 or more with the same keys and zeros after), so a
+    row's sum would depend on the capacity it is computed at. With fixed blocks it depends only on
+    where its keys sit; blocks past them add exact zeros."""
+    out = cache_product(probs[..., :block], cache[:, :, :block])
+    for start in range(block, cache.shape[2], block):
+        out = out + cache_product(probs[..., start:start + block], cache[:, :, start:start + block])
+    return out
 
 
 class Attention(nn.Module):
@@ -68,10 +104,10 @@ class Attention(nn.Module):
         q = q.float().view(kv, self.group, t, d).permute(2, 0, 1, 3)
         if self.rows > self.group:
             q = q.repeat(1, 1, -(-self.rows // self.group), 1)[:, :, :self.rows]
-        scores = torch.matmul(q, k_cache.transpose(2, 3)) * (d ** -0.5) + bias  # [T, kv, rows, capacity]
+        scores = cache_product(q, k_cache.transpose(2, 3)) * (d ** -0.5) + bias  # [T, kv, rows, capacity]
         shifted = scores - scores.amax(dim=-1, keepdim=True)
         probs = torch.exp(torch.clamp(shifted, min=EXP_FLOOR)) * keep
-        out = torch.matmul(probs, v_cache)                                      # [T, kv, rows, d + 1]
+        out = value_product(probs, v_cache, KEY_BLOCK)                           # [T, kv, rows, d + 1]
         out = (out[..., :d] / out[..., d:])[:, :, :self.group]
         return self.o_proj(out.reshape(1, t, heads * d).to(x.dtype))
 

@@ -78,8 +78,8 @@ class Engine:
         self.features = self.base.device_array(features) if self.resident else features
         self.top_k = np.zeros(1, np.int64)
         self.timings = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
-        # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py);
-        # with fused attention no placement is exact, so there is nothing to keep.
+        # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py,
+        # export/torch_graph.py); with fused attention no placement is exact, so there is nothing to keep.
         self.key_block = manifest.get("exact_key_block") or self.max_length + 1
         # Fewest rows a verify step runs (export/onnx_export.py): kernels whose one-row path rounds
         # otherwise than their multi-row one get every step, plain decoding included, as multi-row.
@@ -88,8 +88,10 @@ class Engine:
         if self.verify_exact and provider in TORCH_PROVIDERS and not self.resident:
             # The torch graphs' exactness rests on the CPU's GEMM kernels, measured here: PyTorch's
             # fp32 ones sum an attention row's keys in an order that depends on where they sit on
-            # AVX2 CPUs, and IPEX's int8 ones take another path for one row than for several.
-            self.verify_exact = self._torch_attention_in_order() and self.verification_matches_decoding()
+            # AVX2 CPUs, and IPEX's int8 ones take another path for one row than for several. Torch
+            # artifacts without key blocks (exported before them) sum by capacity: never exact.
+            self.verify_exact = (manifest.get("exact_key_block") is not None and self._torch_attention_in_order()
+                                 and self.verification_matches_decoding())
 
     def _torch_attention_in_order(self) -> bool:
         from export.torch_graph import query_rows
@@ -97,7 +99,8 @@ class Engine:
 
         from .torch_session import attention_sums_in_order
         cfg = ModelConfig.from_dict(self.manifest["model"]["config"])
-        return attention_sums_in_order(self.base.torch, cfg.num_kv_heads, query_rows(cfg), cfg.head_dim + 1)
+        return attention_sums_in_order(self.base.torch, cfg.num_kv_heads, query_rows(cfg), cfg.head_dim + 1,
+                                       self.key_block)
 
     def verification_matches_decoding(self) -> bool:
         """Whether the nodes of a small branching tree, verified in one step, get the bits their

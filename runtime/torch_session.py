@@ -18,8 +18,8 @@ from .torch_device import DeviceSteps
 TORCH_PROVIDERS = ("ipex", "torch")
 # Devices whose caches are host stores grown in place; on others every step's tensors stay on the device.
 HOST_DEVICES = ("cpu",)
-# Capacity step of host caches. Larger than the ONNX sessions' (runtime/session.py): oneDNN and MKL may
-# block a matmul's key sum by the key count, and torch artifacts' exactness was measured at this step.
+# Capacity step of host caches: a multiple of the graphs' key block (export/torch_graph.KEY_BLOCK), so
+# that every block of the attention's value sums is a whole one.
 CACHE_STEP = 256
 
 
@@ -34,32 +34,37 @@ def import_torch(provider: str):
     return torch
 
 
-def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, capacity: int = 512) -> bool:
-    """Whether this CPU's GEMMs give a query row of the torch graphs' attention
-    (export/torch_graph.py: scores = q @ keys^T, out = probs @ values, in fp32) the same bits alone
-    as inside a step of more tokens, with its last key moved to a later position and masked zeros
-    between, for contexts across the capacity: a tree node's ancestors sit at tree slots where
-    plain decoding put them side by side. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
+def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: int) -> bool:
+    """Whether this CPU's GEMMs give a query row of the torch graphs' attention (export/torch_graph.py:
+    cache_product for q @ keys^T, value_product for probs @ values, in fp32) the same bits alone as
+    inside a step of more tokens at a capacity one key block larger, with its last key moved to a
+    later position of its block and masked zeros between: a tree node's ancestors sit at tree slots
+    where plain decoding put them side by side, and a verify step may hold more capacity than a
+    plain step did at the same position. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
     Zen 3, PyTorch's kernels group the key sum by position (in 192s for some row counts)."""
+    from export.torch_graph import cache_product, value_product
     g = torch.Generator().manual_seed(0)
-    d = width - 1
-    keys = torch.randn(1, kv_heads, capacity, d, generator=g)
-    values = torch.randn(1, kv_heads, capacity, width, generator=g)
+    d, capacity = width - 1, 2 * block
+    keys = torch.randn(1, kv_heads, capacity + block, d, generator=g)
+    values = torch.randn(1, kv_heads, capacity + block, width, generator=g)
     for t in (2, 3, 5, 8, 16):
         queries = torch.randn(t, kv_heads, rows, d, generator=g)
-        if not torch.equal(torch.matmul(queries[:1], keys.transpose(2, 3))[0],
-                           torch.matmul(queries, keys.transpose(2, 3))[0]):
+        if not torch.equal(cache_product(queries[:1], keys[:, :, :capacity].transpose(2, 3))[0],
+                           cache_product(queries, keys.transpose(2, 3))[0, ..., :capacity]):
             return False
         for context in range(13, capacity - 16, 29):
-            probs = torch.zeros(t, kv_heads, rows, capacity)
+            probs = torch.zeros(t, kv_heads, rows, capacity + block)
             probs[..., :context] = torch.rand(t, kv_heads, rows, context, generator=g)
-            alone = probs[-1:].clone()
+            alone = probs[-1:, ..., :capacity].contiguous()
             alone[..., context] = 0.5
             for gap in (1, 5, 11):
+                if (context + gap) // block != context // block:
+                    continue  # trees never straddle a key block
                 tree, moved = probs.clone(), values.clone()
                 tree[-1, ..., context + gap] = 0.5
                 moved[:, :, context + gap] = values[:, :, context]
-                if not torch.equal(torch.matmul(alone, values)[0], torch.matmul(tree, moved)[-1]):
+                if not torch.equal(value_product(alone, values[:, :, :capacity], block)[0],
+                                   value_product(tree, moved, block)[-1]):
                     return False
     return True
 

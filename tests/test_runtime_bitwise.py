@@ -26,7 +26,7 @@ from runtime.tune import cpu_flags
 
 # Step sizes: plain decoding (1), the CPU trees, EAGLE-2's 60-token tree, and a prefill chunk.
 STEP_SIZES = (1, 2, 3, 4, 5, 8, 13, 16, 31, 60, 128)
-BLOCK = EXACT_KEY_BLOCK  # the trees sit at the end of a key block, at the start of the next and inside it
+BLOCK = EXACT_KEY_BLOCK  # ONNX artifacts' key block (torch artifacts have smaller ones)
 MAX_LENGTH = 2 * BLOCK
 # Every artifact kind whose manifest says verify_exact (torch and IPEX fp32 do not: their GEMMs round
 # products of 1, 2-12 and 16+ rows differently).
@@ -114,9 +114,10 @@ def test_every_verified_row_equals_the_token_decoded_alone(generator, size):
     engine = generator.engine
     vocab = generator.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(size)
-    # Trees at the very end of a key block, at the start of the next and across where a block half as
-    # long would end.
-    for context in (BLOCK - size, BLOCK, BLOCK + (BLOCK - size) // 2):
+    # Trees at the very end of one of the artifact's key blocks, at the start of the next and across
+    # where a block half as long would end.
+    block = engine.key_block
+    for context in (block - size, block, block + (block - size) // 2):
         prompt = rng.integers(0, vocab, context)
         tree = random_tree(rng, size, vocab)
         prefill(engine, prompt)

@@ -4,16 +4,21 @@ which precisions verify bitwise. (Bitwise verification itself: tests/test_runtim
 
 The IPEX cases need .venv-ipex (ci/test_ipex.sh runs them); plain torch runs anywhere."""
 import importlib.util
+import json
+import shutil
 
 import numpy as np
 import pytest
+import torch
 
 import runtime
 from export.cli import main as export_main
 from export.common import ExportError
 from export.torch_export import IPEX_BF16_NEEDS, export_torch, ipex_bf16_supported
+from export.torch_graph import KEY_BLOCK, value_product
 from models.registry import load_checkpoint
 from runtime.session import ProviderError
+from runtime.torch_session import CACHE_STEP
 from runtime.tune import cpu_flags
 from runtime.gpu_check import sampling_checkpoint
 from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
@@ -119,6 +124,53 @@ def test_a_torch_artifacts_exactness_claim_is_measured_at_load(torch_artifact, t
     assert runtime.load(tiny_artifact("tiny-llama", "int8")).engine.verification_matches_decoding()
     fused = runtime.load(tiny_artifact("tiny-llama", "fp32", attention="fused"))
     assert not fused.verify_exact and not fused.engine.verification_matches_decoding()
+
+
+def test_a_torch_artifacts_draft_takes_the_bases_precision(torch_artifact, tmp_path, capsys):
+    m = runtime.load(torch_artifact, provider="torch").manifest
+    assert (m["precision"], m["draft_precision"]) == ("bf16", "bf16")
+    assert export_main(["tiny-llama", "--target", "torch", "--precision", "bf16", "--draft-precision", "int8",
+                        "--out", str(tmp_path / "x")]) == 1
+    assert "unsupported draft precision 'int8' for --target torch with a bf16 base; choose one of bf16" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@needs_ipex
+def test_ipex_drafts_in_int8_by_default(tmp_path):
+    export_torch(load_checkpoint("tiny-llama"), tmp_path / "ipex", "ipex", "fp32", max_length=64, log=lambda m: None)
+    gen = runtime.load(tmp_path / "ipex", provider="ipex")
+    assert (gen.manifest["precision"], gen.manifest["draft_precision"]) == ("fp32", "int8")
+    assert len(gen.generate([5, 6, 7], max_new_tokens=8, total_tokens=4, depth=2, top_k=2).token_ids) == 8
+
+
+def test_value_sums_do_not_depend_on_the_capacity():
+    """A verify step may hold more cache capacity than plain decoding did at the same position (and a
+    prefill chunk less): the attention's value sums run in fixed key blocks, so the masked blocks past
+    a row's keys add exact zeros (a GEMM over all the keys at once blocked 512 keys otherwise than
+    768, measured on a Xeon). Capacities are whole blocks."""
+    assert CACHE_STEP % KEY_BLOCK == 0
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(1, 3, 5 * KEY_BLOCK, 65, generator=g)
+    for context in (100, KEY_BLOCK + 44, 2 * KEY_BLOCK - 1, 3 * KEY_BLOCK + 7):
+        for t in (1, 4, 16):
+            probs = torch.zeros(t, 3, 3, 5 * KEY_BLOCK)
+            probs[..., :context] = torch.rand(t, 3, 3, context, generator=g)
+            capacities = range(-(-context // KEY_BLOCK) * KEY_BLOCK, 5 * KEY_BLOCK + 1, KEY_BLOCK)
+            sums = [value_product(probs[..., :c].contiguous(), values[:, :, :c], KEY_BLOCK) for c in capacities]
+            assert all(torch.equal(sums[0], other) for other in sums[1:]), (context, t)
+
+
+def test_torch_artifacts_without_key_blocks_claim_no_exactness(torch_artifact, tmp_path):
+    """Artifacts exported before the value sums ran in key blocks sum by capacity: re-export them."""
+    m = runtime.load(torch_artifact, provider="torch").manifest
+    assert m["exact_key_block"] == KEY_BLOCK
+    old = tmp_path / "old"
+    shutil.copytree(torch_artifact, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["exact_key_block"] = None
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert runtime.load(old, provider="torch").verify_exact is False
 
 
 @pytest.mark.slow
