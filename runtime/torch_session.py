@@ -9,6 +9,8 @@ the step's ids, positions, bias and the draft's top-k cross.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .caches import HostCaches
@@ -43,6 +45,13 @@ def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: 
     plain step did at the same position. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
     Zen 3, PyTorch's kernels group the key sum by position (in 192s for some row counts)."""
     from export.torch_graph import cache_product, value_product
+    with warnings.catch_warnings():
+        # IPEX's JIT fusion pass announces its deprecation on the first scripted call; nothing to act on.
+        warnings.filterwarnings("ignore", message="JIT pass will be deprecated")
+        return _attention_sums_in_order(torch, cache_product, value_product, kv_heads, rows, width, block)
+
+
+def _attention_sums_in_order(torch, cache_product, value_product, kv_heads, rows, width, block) -> bool:
     g = torch.Generator().manual_seed(0)
     d, capacity = width - 1, 2 * block
     keys = torch.randn(1, kv_heads, capacity + block, d, generator=g)
