@@ -54,12 +54,12 @@ ROW_LOOKUPS = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3)}
 
 
 def graph_weight_bytes(artifact: Path, spec: dict) -> int:
-    """Bytes of the weights a graph reads in a step: an ONNX graph's external initializers, less the
-    tables it only looks rows up in (an untied or int8 model's fp32 embedding is a fifth of its file
-    and costs one row a token); the file of a TorchScript graph, whose weights are inside it."""
+    """Bytes of the weights a graph reads in a step: an ONNX graph's external initializers, or the file
+    of a TorchScript graph (its weights are inside), less the tables it only looks rows up in (an
+    untied or int8 model's fp32 embedding is a fifth of its file and costs one row a token)."""
     path = artifact / spec["file"]
     if path.suffix != ".onnx":
-        return path.stat().st_size
+        return path.stat().st_size - torchscript_lookup_bytes(path)
     model = onnx.load(str(path), load_external_data=False)
     uses: dict[str, set] = {}
     for node in model.graph.node:
@@ -67,6 +67,21 @@ def graph_weight_bytes(artifact: Path, spec: dict) -> int:
             uses.setdefault(name, set()).add((node.op_type, i))
     return sum(int({e.key: e.value for e in t.external_data}["length"]) for t in model.graph.initializer
                if t.data_location == onnx.TensorProto.EXTERNAL and not uses.get(t.name, set()) <= ROW_LOOKUPS)
+
+
+def torchscript_lookup_bytes(path: Path) -> int:
+    """Bytes of a frozen TorchScript graph's tensor constants that it only looks rows up in (an
+    embedding table not shared with the lm_head: IPEX int8 bases, every torch draft)."""
+    import torch
+    graph = torch.jit.load(str(path), map_location="cpu").graph
+    uses: dict[str, set] = {}
+    for node in graph.nodes():
+        for i, value in enumerate(node.inputs()):
+            uses.setdefault(value.debugName(), set()).add((node.kind(), i))
+    tables = [node.t("value") for node in graph.nodes()
+              if node.kind() == "prim::Constant" and node.output().type().kind() == "TensorType"
+              and uses.get(node.output().debugName()) == {("aten::embedding", 0)}]
+    return sum(t.numel() * t.element_size() for t in tables)
 
 
 def parse_trees(spec: str, gen) -> list[tuple[int, int, int] | None]:

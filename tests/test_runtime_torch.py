@@ -144,6 +144,18 @@ def test_ipex_drafts_in_int8_by_default(tmp_path):
     assert len(gen.generate([5, 6, 7], max_new_tokens=8, total_tokens=4, depth=2, top_k=2).token_ids) == 8
 
 
+def test_bench_counts_a_torchscript_graphs_weights_less_its_lookup_tables(torch_artifact):
+    """The draft looks rows up in its own copy of the embedding, and so does an untied base (a tied
+    one reads its table whole as the lm_head)."""
+    from runtime.bench import graph_weight_bytes
+    m = runtime.load(torch_artifact, provider="torch").manifest
+    cfg = m["model"]["config"]
+    table = cfg["vocab_size"] * cfg["hidden_size"] * 2  # bf16
+    for name, lookups in (("base", 0 if cfg["tie_word_embeddings"] else table), ("draft", table)):
+        file = torch_artifact / m["graphs"][name]["file"]
+        assert graph_weight_bytes(torch_artifact, m["graphs"][name]) == file.stat().st_size - lookups
+
+
 def test_value_sums_do_not_depend_on_the_capacity():
     """A verify step may hold more cache capacity than plain decoding did at the same position (and a
     prefill chunk less): the attention's value sums run in fixed key blocks, so the masked blocks past
