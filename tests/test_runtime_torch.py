@@ -14,7 +14,7 @@ import torch
 import runtime
 from export.cli import main as export_main
 from export.common import ExportError
-from export.torch_export import IPEX_BF16_NEEDS, export_torch, ipex_bf16_supported
+from export.torch_export import IPEX_BF16_NEEDS, IPEX_BF16_TREE, export_torch, ipex_bf16_supported
 from export.torch_graph import KEY_BLOCK, value_product
 from models.registry import load_checkpoint
 from runtime.session import ProviderError
@@ -134,6 +134,14 @@ def test_a_torch_artifacts_draft_takes_the_bases_precision(torch_artifact, tmp_p
     assert "unsupported draft precision 'int8' for --target torch with a bf16 base; choose one of bf16" in \
         capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@needs_ipex
+@needs_ipex_bf16
+def test_ipex_bf16_artifacts_default_to_a_wider_tree(tmp_path):
+    export_torch(load_checkpoint("tiny-llama"), tmp_path / "bf16", "ipex", "bf16", max_length=64, verify=False,
+                 log=lambda m: None)
+    assert runtime.load(tmp_path / "bf16", provider="ipex").manifest["tree_defaults"] == IPEX_BF16_TREE
 
 
 @needs_ipex
