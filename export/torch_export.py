@@ -159,9 +159,10 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
         raise ExportError(f"unsupported precision {precision!r} for --target {target}; choose one of "
                           f"{', '.join(PRECISIONS[target])}")
     draft_precision = draft_precision or ("int8" if target == "ipex" else precision)
-    if draft_precision not in (precision, *CHEAPER_DRAFTS[target]):
+    drafts = tuple(dict.fromkeys((precision, *CHEAPER_DRAFTS[target])))
+    if draft_precision not in drafts:
         raise ExportError(f"unsupported draft precision {draft_precision!r} for --target {target} with a {precision} "
-                          f"base; choose one of {', '.join(dict.fromkeys((precision, *CHEAPER_DRAFTS[target])))}")
+                          f"base; choose one of {', '.join(drafts)}")
     cfg = ckpt.cfg
     max_length = min(2048, cfg.max_position_embeddings) if max_length is None else max_length
     if max_length < 16:

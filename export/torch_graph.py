@@ -12,8 +12,9 @@ Attention runs in fp32 whatever the weights' precision, as products over the cac
 token's query rows of a kv head are one product of a fixed number of rows, and the value sums run
 in fixed blocks of KEY_BLOCK keys, so a row's arithmetic is the same whatever the step size, the
 cache's capacity and wherever its keys sit inside their block (measured on PyTorch's CPU kernels;
-the bitwise tests and the runtime's load-time check test it). Linear layers are whatever the target makes of them (IPEX's bf16 and weight-only
-int8 kernels compute each row independently of the others, measured; plain fp32 GEMMs do not).
+the bitwise tests and the runtime's load-time check test it). Linear layers are whatever the target
+makes of them (IPEX's bf16 and weight-only int8 kernels compute each row independently of the
+others, measured; plain fp32 GEMMs do not).
 """
 from __future__ import annotations
 

@@ -44,14 +44,14 @@ def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: 
     where plain decoding put them side by side, and a verify step may hold more capacity than a
     plain step did at the same position. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
     Zen 3, PyTorch's kernels group the key sum by position (in 192s for some row counts)."""
-    from export.torch_graph import cache_product, value_product
     with warnings.catch_warnings():
         # IPEX's JIT fusion pass announces its deprecation on the first scripted call; nothing to act on.
         warnings.filterwarnings("ignore", message="JIT pass will be deprecated")
-        return _attention_sums_in_order(torch, cache_product, value_product, kv_heads, rows, width, block)
+        return _attention_sums_in_order(torch, kv_heads, rows, width, block)
 
 
-def _attention_sums_in_order(torch, cache_product, value_product, kv_heads, rows, width, block) -> bool:
+def _attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: int) -> bool:
+    from export.torch_graph import cache_product, value_product
     g = torch.Generator().manual_seed(0)
     d, capacity = width - 1, 2 * block
     keys = torch.randn(1, kv_heads, capacity + block, d, generator=g)
