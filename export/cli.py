@@ -35,7 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime; default), ipex (intel-extension-for-pytorch, "
                    "in .venv-ipex) or torch (plain PyTorch, CPU or CUDA)")
     p.add_argument("--precision", help="onnx: int8 (8-bit weights; default: the fastest lossless CPU artifact), "
-                   "fp32, fp16 (CUDA), gguf (a GGUF's own quantized weights as they are: Q4_0, Q4_1, Q8_0); "
+                   "w8a8 (8-bit weights and activation rows, SmoothQuant; integer GEMMs: cheap trees on AMX, "
+                   "needs VNNI or AMX), fp32, fp16 (CUDA), gguf (a GGUF's own quantized weights as they are: "
+                   "Q4_0, Q4_1, Q8_0); "
                    "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
     p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "
                    "bases, fp16 for fp16; ipex: int8; torch: the base's)")

@@ -6,8 +6,11 @@ import sys
 import time
 from pathlib import Path
 
+import dataclasses
+
 import numpy as np
 import onnx
+import torch
 from tqdm import tqdm
 
 from models.draft_vocab import DraftVocab
@@ -15,6 +18,7 @@ from models.gguf_blocks import read_blocks
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory
+from .smoothing import ALPHA, CALIBRATION, REPLY_TOKENS, SMOOTHED, activation_maxima, calibration_ids, smooth
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WeightStore, build_base, build_draft,
@@ -74,6 +78,16 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     n_positions = max_length + TREE_POSITION_MARGIN
     start = time.time()
     state = {k: v.float().numpy() for k, v in ckpt.state.items()}
+    smoothing = None
+    if precision == "w8a8":
+        log("calibrating SmoothQuant on the model's own replies ...")
+        maxima = activation_maxima(cfg, state, calibration_ids(ckpt.tokenizer))
+        state = smooth(cfg, state, maxima)
+        # the parity check compares the graphs with the weights they hold: the smoothed ones
+        ckpt = dataclasses.replace(ckpt, state={k: torch.from_numpy(v) for k, v in state.items()})
+        smoothing = {"method": "SmoothQuant", "alpha": ALPHA, "layers": list(SMOOTHED),
+                     "calibration": f"{len(CALIBRATION)} built-in prompts and the model's greedy replies "
+                                    f"({REPLY_TOKENS} tokens each)"}
     with atomic_directory(out, overwrite) as tmp:
         store = WeightStore()
         eagle3 = ckpt.head_cfg is not None and ckpt.head_cfg.eagle3
@@ -118,6 +132,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "verify_min_rows": 2 if blocks and any(b.bits == 4 for b in blocks.values()) else 1,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
             "int8_block": int8_block if "int8" in (precision, draft_precision) else None,
+            "smoothing": smoothing,
             "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "io_dtype": "float16" if precision == "fp16" else "float32",
             "max_length": max_length,

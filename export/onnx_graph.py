@@ -45,7 +45,7 @@ OPSET = 24  # TensorScatter (in-place cache writes of the exact attention)
 IR_VERSION = 10  # readable by the onnxruntime builds of the cuda and openvino extras
 WEIGHTS_FILE = "weights.bin"
 ALIGN = 4096
-PRECISIONS = ("fp32", "fp16", "int8", "gguf")
+PRECISIONS = ("fp32", "fp16", "int8", "w8a8", "gguf")
 ATTENTIONS = ("exact", "fused")
 # MLAS's fp32 GEMM accumulates the inner dimension in blocks (MlasSgemmOperation's StrideK): 128
 # keys for products wider than 64 columns, up to 1,024 for those of at most 16. It splits a product
@@ -73,6 +73,9 @@ INT8_BLOCKS = (32, 64)
 # its products do not depend on the step's other rows, so int8 bases verify exactly
 # (tests/test_runtime_bitwise.py; the 4-bit products of --precision gguf do not on AVX2 CPUs).
 INT8_ACCURACY_LEVEL = 4
+# w8a8: activation rows are quantized to 8 bits around this zero point (uint8, the operand MLAS's
+# integer GEMMs take; weights are int8, symmetric).
+W8A8_ZERO_POINT = 128
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,20 @@ def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:
     return w.reshape(q.shape[0], -1)[:, :k]
 
 
+def quantize_channels_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 weights with one scale per output channel (the w8a8 precision).
+
+    w is [N, K] (a torch Linear weight). Returns q [K, N] int8 (MatMulInteger's B) and scales [N]."""
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q.T), scale.astype(np.float32)
+
+
+def dequantize_channels_8bit(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return (q.T.astype(np.float32) * scale[:, None])
+
+
 class Builder:
     """Emits the layers shared by the base and draft graphs for one precision.
 
@@ -210,6 +227,8 @@ class Builder:
         """x [T, K] @ weight[N, K]^T (+ bias). Weights stay in torch layout: Gemm transB=1, no copy."""
         g = self.g
         blocks = blocks or self.blocks.get(f"{name}.weight")
+        if blocks is None and self.p.name == "w8a8":
+            return self._w8a8_linear(x, name, weight, bias)
         if blocks is None and self.p.name == "int8":
             blocks = Blocks(8, *quantize_8bit(weight, self.int8_block), None, self.int8_block)
         if blocks is not None:
@@ -218,6 +237,29 @@ class Builder:
         if bias is not None:
             ins.append(g.weight(f"{name}.bias", bias.astype(self.p.io_dtype)))
         return g.op("Gemm", ins, transB=1)
+
+    def _w8a8_linear(self, x: str, name: str, weight: np.ndarray, bias: np.ndarray | None) -> str:
+        """Each row of x quantized to 8 bits with its own scale (max |x_row| / 127), times int8
+        weights with a scale per output channel, as an integer GEMM (MLAS: AMX tiles or VNNI).
+
+        Why: an integer product is exact whatever the kernel's blocking or the number of rows, and
+        everything around it is elementwise within a row, so a row's result cannot depend on the
+        step's other rows: verification is exact by construction. And the integer GEMM's cost barely
+        grows with rows on AMX (MatMulNBits' 8-bit kernel costs 2.7-4x more at 8 rows than at one
+        on a Xeon), so wider trees are cheap to verify. The activation range one scale covers is
+        narrowed beforehand by SmoothQuant (export/smoothing.py)."""
+        g = self.g
+        q, scales = quantize_channels_8bit(weight)
+        peak = g.op("ReduceMax", [g.op("Abs", [x]), g.const([-1])], keepdims=1)
+        # a row of zeros keeps scale 1e-30 (it quantizes to zeros) rather than dividing by zero
+        row_scale = g.op("Max", [g.op("Div", [peak, g.const(127.0, np.float32)]), g.const(1e-30, np.float32)])
+        xq = g.op("Add", [g.op("Round", [g.op("Div", [x, row_scale])]), g.const(float(W8A8_ZERO_POINT), np.float32)])
+        ins = [g.op("Cast", [xq], to=TensorProto.UINT8), g.weight(f"{name}.w8", q), g.const(1.0, np.float32),
+               g.weight(f"{name}.channel_scales", scales), g.const(W8A8_ZERO_POINT, np.uint8)]
+        y = g.op("Mul", [g.op("MatMulIntegerToFloat", ins, domain="com.microsoft"), row_scale])
+        if bias is not None:
+            y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(np.float32))])
+        return y
 
     def _block_linear(self, x: str, name: str, k: int, blocks: Blocks, bias: np.ndarray | None) -> str:
         """MatMulNBits over blocks (8-bit, or 4-bit plus a per-block constant: Q4_1)."""

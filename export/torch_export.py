@@ -18,7 +18,7 @@ import torch
 from models.draft_vocab import DraftVocab
 from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
-from runtime.tune import cpu_flags
+from runtime.cpu import cpu_flags
 
 from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, draft_vocab_entry, finish_manifest, head_entry,

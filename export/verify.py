@@ -13,12 +13,13 @@ from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, base_features, causal_bias
 from runtime.engine import open_session
 
-from .onnx_graph import INT8_BLOCK, dequantize_8bit, quantize_8bit
+from .onnx_graph import INT8_BLOCK, dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
 
 # Largest allowed max|graph - reference| / max|reference| per tensor, by precision. The reference
 # holds the graph's own weights (fp16-rounded or 8-bit dequantized), so what remains is the graph's
-# arithmetic: fp32 reordering, fp16 activations, or int8 activation rounding (MatMulNBits level 4).
-TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "int8": 0.2, "gguf": 0.2}
+# arithmetic: fp32 reordering, fp16 activations, or int8 activation rounding (MatMulNBits level 4,
+# w8a8's rows).
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "int8": 0.2, "w8a8": 0.2, "gguf": 0.2}
 
 LINEAR_SUFFIXES = ("_proj.weight", "fc.weight", "lm_head.weight")
 
@@ -43,6 +44,8 @@ def stored_weights(state: dict[str, torch.Tensor], precision: str, int8_block: i
         elif precision == "int8" and name.endswith(LINEAR_SUFFIXES):
             q, s = quantize_8bit(t.numpy(), int8_block)
             t = torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
+        elif precision == "w8a8" and name.endswith(LINEAR_SUFFIXES):
+            t = torch.from_numpy(dequantize_channels_8bit(*quantize_channels_8bit(t.numpy())))
         out[name] = t
     return out
 

@@ -31,7 +31,7 @@ from export.artifact import read_manifest
 from .peers import make_peers
 from .prompts import load_prompts
 from .tokenizer import ChatTokenizer
-from .tune import cpu_name
+from .cpu import cpu_name
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,31 +26,13 @@ from tqdm import tqdm
 
 from eagle2 import tree_from_parents
 
+from .cpu import cpu_name
 from .generation import Decoder
 from .prompts import load_prompts
 
 TUNING_FILE = "tuning.json"
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
-
-
-def cpu_info(key: str) -> str | None:
-    """The first /proc/cpuinfo line starting with `key`, after its colon (None off Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_name() -> str:
-    return cpu_info("model name") or platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    return set((cpu_info("flags") or "").split())
 
 
 def read_tuning(artifact: Path, provider: str) -> dict | None:

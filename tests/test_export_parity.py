@@ -18,11 +18,13 @@ from export.verify import TOLERANCE, ParityError, check_parity, random_tree, sto
 from models.config import ModelConfig
 from models.llama import causal_bias
 from models.registry import load_checkpoint
+from runtime.cpu import int8_dot_products
 from runtime.session import GraphSession
 from runtime.tokenizer import ChatTokenizer
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
-PRECISIONS = ["fp32", "int8"]
+PRECISIONS = ["fp32", "int8", pytest.param("w8a8", marks=pytest.mark.skipif(
+    not int8_dot_products(), reason="w8a8 needs VNNI or AMX, which this CPU lacks"))]
 PREFILL, TREE = 12, 16
 HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}

@@ -1,8 +1,8 @@
 """Speculation is lossless only if verifying a tree computes every node exactly as plain decoding
 computes the same token: each row of a verify step must be bitwise equal to the one-token steps
 along that node's own path, whatever the step size, the tree shape and the masked keys between
-the node's ancestors. This holds for ONNX artifacts with exact attention (the default on CPU), fp32
-and int8, as long as the step stays inside one block of the attention's key sums, which the runtime
+the node's ancestors. This holds for ONNX artifacts with exact attention (the default on CPU), fp32,
+int8 and w8a8, as long as the step stays inside one block of the attention's key sums, which the runtime
 ensures; and for IPEX artifacts (bf16, weight-only int8) and plain torch bf16 ones.
 
 The IPEX cases run in .venv-ipex (ci/test_ipex.sh) and skip elsewhere."""
@@ -22,7 +22,7 @@ from models.llama import CausalLM, EagleHead
 from models.registry import load_checkpoint
 from models.tiny import randomize
 from models.weights import Checkpoint
-from runtime.tune import cpu_flags
+from runtime.cpu import cpu_flags, int8_dot_products
 
 # Step sizes: plain decoding (1), the CPU trees, EAGLE-2's 60-token tree, and a prefill chunk.
 STEP_SIZES = (1, 2, 3, 4, 5, 8, 13, 16, 31, 60, 128)
@@ -31,7 +31,9 @@ MAX_LENGTH = 2 * BLOCK
 # Every artifact kind whose manifest says verify_exact (torch and IPEX fp32 do not: their GEMMs round
 # products of 1, 2-12 and 16+ rows differently).
 # "int8/32": int8 with weight blocks of 32 (export --int8-block 32; the default is 64).
-KINDS = [("onnx", "fp32"), ("onnx", "int8"), ("onnx", "int8/32"), ("torch", "bf16"), ("ipex", "bf16"), ("ipex", "int8")]
+KINDS = [("onnx", "fp32"), ("onnx", "int8"), ("onnx", "int8/32"), ("onnx", "w8a8"), ("torch", "bf16"), ("ipex", "bf16"),
+         ("ipex", "int8")]
+NEEDS_INT8_DOT = "w8a8 artifacts need VNNI or AMX, which this CPU lacks (the runtime refuses them)"
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 
 
@@ -73,6 +75,8 @@ def generator(request, checkpoint, tmp_path_factory):
     target, precision = request.param
     if target == "ipex" and not HAS_IPEX:
         pytest.skip("intel-extension-for-pytorch is not installed here (ci/test_ipex.sh runs these)")
+    if precision == "w8a8" and not int8_dot_products():
+        pytest.skip(NEEDS_INT8_DOT)
     if (target, precision) == ("ipex", "bf16") and not ipex_bf16_supported(cpu_flags()):
         pytest.skip(IPEX_BF16_NEEDS)
     gen = export(checkpoint, tmp_path_factory.mktemp("bitwise") / "artifact", target, precision)
@@ -136,10 +140,12 @@ def wide_head_checkpoint() -> Checkpoint:
                                head_dim=64)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int8/32"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int8/32", "w8a8"])
 def test_verified_rows_do_not_depend_on_the_thread_count(precision, tmp_path):
     """8 threads (more than this machine's cores: it is how many split a product that matters): every
     row of a tree still equals the token decoded alone, at contexts spanning several 128-key blocks."""
+    if precision == "w8a8" and not int8_dot_products():
+        pytest.skip(NEEDS_INT8_DOT)
     gen = export(wide_head_checkpoint(), tmp_path / "artifact", "onnx", precision, threads=8)
     engine, vocab = gen.engine, gen.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(8)

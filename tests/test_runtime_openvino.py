@@ -9,7 +9,7 @@ import pytest
 
 import runtime
 from runtime.session import ProviderError
-from runtime.tune import cpu_flags
+from runtime.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif("OpenVINOExecutionProvider" not in ort.get_available_providers(),
                                 reason="OpenVINO EP not in this onnxruntime build (ci/test_openvino.sh runs this)")

@@ -19,7 +19,7 @@ from export.torch_graph import KEY_BLOCK, value_product
 from models.registry import load_checkpoint
 from runtime.session import ProviderError
 from runtime.torch_session import CACHE_STEP
-from runtime.tune import cpu_flags
+from runtime.cpu import cpu_flags
 from runtime.gpu_check import sampling_checkpoint
 from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
 

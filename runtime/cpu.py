@@ -1,0 +1,33 @@
+"""What the host CPU is and which instructions it has (Linux's /proc/cpuinfo)."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_info(key: str) -> str | None:
+    """The first /proc/cpuinfo line starting with `key`, after its colon (None off Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_name() -> str:
+    return cpu_info("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    return set((cpu_info("flags") or "").split())
+
+
+def int8_dot_products() -> bool:
+    """Whether the CPU multiplies 8-bit integers without saturating 16-bit pair sums: x86 with VNNI
+    or AMX. True off x86 (the saturating kernel is x86's) and where the flags cannot be read
+    (nothing is known to be missing)."""
+    flags = cpu_flags()
+    return (not flags or platform.machine().lower() not in ("x86_64", "amd64")
+            or bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"}))

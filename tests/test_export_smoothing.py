@@ -1,0 +1,62 @@
+"""SmoothQuant for the w8a8 precision (export/smoothing.py): the folded weights compute the same
+function, the layer inputs it smooths get narrower, and w8a8 artifacts say how they were made."""
+import numpy as np
+import pytest
+import torch
+
+import runtime
+from export.artifact import read_manifest
+from export.onnx_export import export_onnx
+from export.smoothing import SMOOTHED, activation_maxima, calibration_ids, smooth
+from models.llama import CausalLM, KVCache, causal_bias
+from models.registry import load_checkpoint
+from runtime.cpu import int8_dot_products
+from runtime.session import ProviderError
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+def smoothed(request):
+    ckpt = load_checkpoint(request.param)
+    state = {k: v.float().numpy() for k, v in ckpt.state.items()}
+    maxima = activation_maxima(ckpt.cfg, state, calibration_ids(ckpt.tokenizer), reply_tokens=8)
+    return ckpt, state, maxima, smooth(ckpt.cfg, state, maxima)
+
+
+def logits(cfg, state, ids):
+    model = CausalLM(cfg).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    with torch.no_grad():
+        out, _ = model(ids, torch.arange(ids.shape[1])[None], causal_bias(ids.shape[1]), KVCache(cfg, ids.shape[1]), 0)
+    return out.numpy()
+
+
+def test_smoothing_keeps_the_function(smoothed):
+    ckpt, state, _, new = smoothed
+    ids = torch.randint(0, ckpt.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    want, got = logits(ckpt.cfg, state, ids), logits(ckpt.cfg, new, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    changed = [k for k in state if not np.array_equal(state[k], new[k])]
+    assert changed and all(".layers." in k for k in changed)  # never the embedding, final norm or lm_head
+
+
+def test_smoothing_narrows_the_inputs_it_quantizes(smoothed):
+    """What a row's one scale has to cover: the spread of channel maxima, before and after."""
+    ckpt, state, maxima, new = smoothed
+    after = activation_maxima(ckpt.cfg, new, calibration_ids(ckpt.tokenizer), reply_tokens=8)
+    assert set(maxima) == {f"{i}.{m}" for i in range(ckpt.cfg.num_layers) for m in SMOOTHED}
+    spread = {k: m.max() / np.median(m) for k, m in maxima.items()}
+    assert all(after[k].max() / np.median(after[k]) < spread[k] for k in maxima)
+
+
+@pytest.mark.skipif(not int8_dot_products(), reason="w8a8 needs VNNI or AMX, which this CPU lacks")
+def test_w8a8_artifact_records_its_smoothing(tiny_artifact):
+    manifest = read_manifest(tiny_artifact("tiny-llama", "w8a8"))
+    assert manifest["precision"] == "w8a8" and manifest["draft_precision"] == "int8"
+    assert manifest["smoothing"]["method"] == "SmoothQuant" and manifest["verify_exact"]
+
+
+def test_w8a8_is_refused_without_int8_dot_products(tmp_path, monkeypatch):
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "w8a8", max_length=64, verify=False, log=lambda m: None)
+    monkeypatch.setattr("runtime.cpu.cpu_flags", lambda: {"sse4_2", "avx2", "fma"})
+    with pytest.raises(ProviderError, match="AVX512-VNNI, AVX-VNNI or AMX"):
+        runtime.load(tmp_path / "a")
