@@ -1,12 +1,11 @@
 """Checkpoint -> ONNX artifact directory (graphs, shared weights, tokenizer, manifest), atomically."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
-
-import dataclasses
 
 import numpy as np
 import onnx
@@ -18,11 +17,11 @@ from models.gguf_blocks import read_blocks
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory
-from .smoothing import ALPHA, CALIBRATION, REPLY_TOKENS, SMOOTHED, activation_maxima, calibration_ids, smooth
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WeightStore, build_base, build_draft,
                          build_draft_eagle3, lm_head_name)
+from .smoothing import ALPHA, CALIBRATION, REPLY_TOKENS, SMOOTHED, activation_maxima, calibration_ids, smooth
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
 DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
@@ -80,7 +79,6 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     state = {k: v.float().numpy() for k, v in ckpt.state.items()}
     smoothing = None
     if precision == "w8a8":
-        log("calibrating SmoothQuant on the model's own replies ...")
         maxima = activation_maxima(cfg, state, calibration_ids(ckpt.tokenizer))
         state = smooth(cfg, state, maxima)
         # the parity check compares the graphs with the weights they hold: the smoothed ones

@@ -205,7 +205,7 @@ def quantize_channels_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_channels_8bit(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return (q.T.astype(np.float32) * scale[:, None])
+    return q.T.astype(np.float32) * scale[:, None]
 
 
 class Builder:

@@ -17,8 +17,11 @@ alone lost at most 0.004.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from models.config import ModelConfig
 from models.llama import CausalLM, KVCache, causal_bias
@@ -75,7 +78,7 @@ def activation_maxima(cfg: ModelConfig, state: dict[str, np.ndarray], prompts: l
         for name in SMOOTHED:
             module = getattr(layer.mlp if name != "q_proj" else layer.self_attn, name)
             module.register_forward_pre_hook(record(f"{i}.{name}"))
-    for ids in prompts:
+    for ids in tqdm(prompts, desc="SmoothQuant calibration", unit="prompt", file=sys.stderr):
         cache = KVCache(cfg, len(ids) + reply_tokens)
         x, start = torch.tensor([ids]), 0
         for _ in range(reply_tokens):
