@@ -19,8 +19,9 @@ from .artifact import write_manifest
 # costing what a one-row one does, which a CPU bound by compute rather than memory does not give.
 # fp16 targets CUDA, where EAGLE-2's own default is right.
 CPU_TREE = {"total_tokens": 3, "depth": 1, "top_k": 2}
-# w8a8's integer GEMMs make verified rows nearly free on AMX: tune's choice there (Xeon, 2026-12-02).
-W8A8_TREE = {"total_tokens": 6, "depth": 1, "top_k": 3}
+# w8a8's integer GEMMs make verified rows cheap on AMX: on a Xeon, 4/1/2 decoded MT-bench fastest
+# (README), with tune's choices there, 6/1/3 and 5/1/2, within 2 % of it.
+W8A8_TREE = {"total_tokens": 4, "depth": 1, "top_k": 2}
 DEFAULT_TREE = {"fp32": CPU_TREE, "int8": CPU_TREE, "w8a8": W8A8_TREE, "gguf": CPU_TREE,
                 "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10}}
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
