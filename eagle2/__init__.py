@@ -1,13 +1,16 @@
 """EAGLE-2 speculative decoding algorithms, backend-free (numpy only)."""
+from .lookup import NgramIndex
 from .sampling import process_logits, sample
-from .tree import DraftPool, DraftTree, tree_from_parents, write_attention_bias
+from .tree import DraftPool, DraftTree, graft_chain, tree_from_parents, write_attention_bias
 from .verify import accept_greedy, accept_sampling
 
 __all__ = [
     "DraftPool",
     "DraftTree",
+    "NgramIndex",
     "accept_greedy",
     "accept_sampling",
+    "graft_chain",
     "process_logits",
     "sample",
     "tree_from_parents",

@@ -34,9 +34,10 @@ def _check_parents(parents):
 class DraftTree:
     """The token tree the base model verifies in one forward pass.
 
-    Nodes are in breadth-first order (parents[i] < i), node 0 is the root: the
-    pending token that the previous verification produced and that is not yet
-    in the KV cache. Arrays are made read-only so a tree can be shared freely.
+    Parents precede their children (parents[i] < i; drafted nodes are breadth-first, grafted
+    ones follow them). Node 0 is the root: the pending token that the previous verification
+    produced and that is not yet in the KV cache. Arrays are made read-only so a tree can be
+    shared freely.
     """
 
     tokens: np.ndarray  # int64 [T], tokens[0] = root
@@ -112,6 +113,34 @@ def tree_from_parents(tokens, parents, scores=None):
         depths[i] = depths[parents[i]] + 1
     scores = np.zeros(parents.shape[0]) if scores is None else scores
     return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores)
+
+
+def graft_chain(tree, chain, max_tokens):
+    """Add `chain` (tokens that would follow the root) to `tree` as one root-to-leaf path.
+
+    The path reuses the nodes the tree already has (a sibling with the same token is the same
+    candidate), so siblings stay distinct; new nodes are appended after the tree's own (parents
+    still precede children) with their parent's score. The result has at most `max_tokens`
+    nodes: the chain is cut where it would exceed that.
+    """
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    scores = list(tree.scores)
+    node = 0
+    for token in chain:
+        children = tree.children(node) if node < len(tree.tokens) else ()
+        same = [c for c in children if tree.tokens[c] == token]
+        if same:
+            node = int(same[0])
+            continue
+        if len(tokens) >= max_tokens:
+            break
+        tokens.append(int(token))
+        parents.append(node)
+        scores.append(scores[node])
+        node = len(tokens) - 1
+    if len(tokens) == len(tree.tokens):
+        return tree
+    return tree_from_parents(tokens, parents, np.asarray(scores))
 
 
 def write_attention_bias(out, tree, context_length, masked_value):

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 import runtime
 
-from .bench import parse_trees
+from .bench import as_tree, parse_trees
+from .generation import tree_label
 from .prompts import load_prompts
 
 
@@ -36,11 +37,11 @@ def measure(path: str, provider: str, prompt_sets: list[str], tree_spec: str, ma
     for q in tqdm(prompts, desc=f"tau {Path(path).name}", file=sys.stderr):
         ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": q.text}])
         for t in trees:
-            out = gen.generate(ids, max_new_tokens=max_new, total_tokens=t[0], depth=t[1], top_k=t[2])
+            out = gen.generate(ids, max_new_tokens=max_new, **as_tree(t))
             s = sums[t][q.category]
             s[0] += sum(out.accept_lengths)
             s[1] += len(out.accept_lengths)
-    return {"/".join(map(str, t)): dict(v) for t, v in sums.items()}
+    return {tree_label(as_tree(t)): dict(v) for t, v in sums.items()}
 
 
 def markdown(results: dict, header: str) -> str:
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--provider", default="cpu")
     p.add_argument("--prompts", default="mtbench", help="comma-separated prompt sets: builtin, mtbench[:K], "
                    "gsm8k[:N], FILE.jsonl")
-    p.add_argument("--trees", default="60/5/10,tuned", help="'tuned' and/or total_tokens/depth/top_k items")
+    p.add_argument("--trees", default="60/5/10,tuned", help="'tuned' and/or total_tokens/depth/top_k[+lookup] items")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--report", help="write the Markdown table here")

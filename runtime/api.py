@@ -10,7 +10,7 @@ import numpy as np
 from export.artifact import read_manifest
 
 from .engine import Engine
-from .generation import Decoder, Settings
+from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
 from .session import check_provider
 from .torch_session import TORCH_PROVIDERS
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
@@ -55,6 +55,7 @@ class Generator:
                 self.speculative_default = False
             else:
                 self.tree_defaults = dict(tuned["tree"])
+        self.tree_defaults.setdefault("lookup", DEFAULT_LOOKUP)  # manifests and tunings that predate it
         self._lock = threading.Lock()
         self._owner: int | None = None
 
@@ -76,19 +77,19 @@ class Generator:
         """Which decoding a call without tree arguments gets, and where that choice comes from."""
         if not self.speculative_default:
             return f"plain decoding ({self.tree_source})" if self.engine.draft is not None else "plain decoding (no head)"
-        return "EAGLE-2 tree {total_tokens}/{depth}/{top_k}".format(**self.tree_defaults) + f" ({self.tree_source})"
+        return f"EAGLE-2 tree {tree_label(self.tree_defaults)} ({self.tree_source})"
 
-    def tree(self, total_tokens=None, depth=None, top_k=None) -> dict:
+    def tree(self, total_tokens=None, depth=None, top_k=None, lookup=None) -> dict:
         """The tree a call with these arguments gets: each None is the default tree's value (0 is a value)."""
-        chosen = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k}
+        chosen = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "lookup": lookup}
         return {name: self.tree_defaults[name] if v is None else v for name, v in chosen.items()}
 
-    def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, temperature, top_p,
+    def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, lookup, temperature, top_p,
                   sampling_top_k, seed) -> Settings:
         if speculative is None:
             speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
-                        **self.tree(total_tokens, depth, top_k), temperature=temperature, top_p=top_p,
+                        **self.tree(total_tokens, depth, top_k, lookup), temperature=temperature, top_p=top_p,
                         sampling_top_k=sampling_top_k, seed=seed)
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -135,16 +136,18 @@ class Generator:
 
     def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
+                 lookup: int | None = None, temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
                  seed: int | None = None, stop: list[str] | str | None = None,
                  cancel: threading.Event | None = None) -> GenerationOutput:
         """Generate from a prompt string or token ids. speculative=None uses the head when there is one.
-        total_tokens / depth / top_k shape the draft tree (None = the artifact's defaults);
+        total_tokens / depth / top_k shape the draft tree and `lookup` is the length of the
+        prompt-lookup branch grafted onto it (0: none; None = the artifact's defaults);
         temperature > 0 samples (with top_p and sampling_top_k), losslessly in both modes. `stop`:
         strings that end the reply (cut before them, finish_reason "stop"); `cancel`: an event
         that ends the generation at the next cycle (finish_reason "cancelled")."""
         events = self.events(prompt, max_new_tokens=max_new_tokens, speculative=speculative,
-                             total_tokens=total_tokens, depth=depth, top_k=top_k, temperature=temperature,
+                             total_tokens=total_tokens, depth=depth, top_k=top_k, lookup=lookup,
+                             temperature=temperature,
                              top_p=top_p, sampling_top_k=sampling_top_k, seed=seed, stop=stop, cancel=cancel)
         while True:
             try:
@@ -172,7 +175,7 @@ class Generator:
         stop, cancel = kwargs.pop("stop", None), kwargs.pop("cancel", None)
         settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
                                   kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
-                                  kwargs.pop("top_k", None), kwargs.pop("temperature", 0.0),
+                                  kwargs.pop("top_k", None), kwargs.pop("lookup", None), kwargs.pop("temperature", 0.0),
                                   kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")

@@ -2,7 +2,7 @@
 decoders users would run instead (onnxruntime-genai, llama.cpp), in one run.
 
     python -m runtime.bench ARTIFACT[@PROVIDER[:HINT]] [...] [--provider cpu] [--prompts mtbench:2] [--max-new-tokens 128]
-                            [--trees tuned,4/2/2,...] [--peers genai,llamacpp] [--reference FP32_ARTIFACT]
+                            [--trees tuned,4/2/2,4/1/2+4,...] [--peers genai,llamacpp] [--reference FP32_ARTIFACT]
                             [--report bench.md] [--json bench.json] [--plot bench.png]
 
 Each prompt is decoded by every configuration back to back, so machine drift hits all alike. Every
@@ -26,6 +26,7 @@ import onnx
 from tqdm import tqdm
 
 import runtime
+from runtime.generation import tree_label
 from export.artifact import read_manifest
 
 from .peers import make_peers
@@ -84,16 +85,21 @@ def torchscript_lookup_bytes(path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in tables)
 
 
-def parse_trees(spec: str, gen) -> list[tuple[int, int, int] | None]:
-    """'tuned' (or the artifact's default tree) and total/depth/top_k items."""
+def parse_trees(spec: str, gen) -> list[tuple[int, int, int, int] | None]:
+    """'tuned' (or the artifact's default tree) and total/depth/top_k[+lookup] items (no +: no lookup)."""
     trees = []
     for item in filter(None, spec.split(",")):
         if item in ("tuned", "default"):
             d = gen.tree_defaults
-            trees.append((d["total_tokens"], d["depth"], d["top_k"]) if gen.speculative_default else None)
+            trees.append((d["total_tokens"], d["depth"], d["top_k"], d["lookup"]) if gen.speculative_default else None)
         else:
-            trees.append(tuple(int(v) for v in item.split("/")))
+            shape, _, lookup = item.partition("+")
+            trees.append((*(int(v) for v in shape.split("/")), int(lookup or 0)))
     return list(dict.fromkeys(t for t in trees if t is not None))
+
+
+def as_tree(t: tuple[int, int, int, int]) -> dict:
+    return dict(zip(("total_tokens", "depth", "top_k", "lookup"), t))
 
 
 def split_spec(spec: str, default_provider: str) -> tuple[str, str, str | None]:
@@ -128,7 +134,7 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
     def runner(tree):
         def run(ids):
             kwargs = {"speculative": False} if tree is None else \
-                {"total_tokens": tree[0], "depth": tree[1], "top_k": tree[2]}
+                as_tree(tree)
             out = gen.generate(ids, max_new_tokens=n, **kwargs)
             return out.token_ids, out.timings["total"] - out.timings["first_token"], out
         return run
@@ -136,7 +142,7 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
     trees = parse_trees(trees_spec, gen) if gen.engine.draft is not None else []
     exact = gen.verify_exact
     return [Config(f"{label} plain", runner(None), label, None, base_bytes)] + \
-        [Config(f"{label} EAGLE-2 {'/'.join(map(str, t))}", runner(t), label, t, base_bytes, draft_bytes, exact=exact)
+        [Config(f"{label} EAGLE-2 {tree_label(as_tree(t))}", runner(t), label, t, base_bytes, draft_bytes, exact=exact)
          for t in trees]
 
 
@@ -273,7 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--trees", default="tuned", help="'tuned' (the artifact's tuned or default tree) and/or "
-                   "total_tokens/depth/top_k items, comma-separated")
+                   "total_tokens/depth/top_k[+lookup] items (4/1/2+4: a 4-token lookup branch), comma-separated")
     p.add_argument("--peers", default="", help="genai,llamacpp (bash ci/install_peers.sh)")
     p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode")
     p.add_argument("--reference", help="also report top-1 agreement and perplexity against this artifact (e.g. fp32)")

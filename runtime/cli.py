@@ -6,7 +6,7 @@ import sys
 
 from export.artifact import ArtifactError
 
-from .generation import PromptTooLongError
+from .generation import PromptTooLongError, tree_label
 from .session import ProviderError
 
 
@@ -23,6 +23,7 @@ def _common(p):
     p.add_argument("--total-tokens", type=int, help="tokens verified per cycle (default: the artifact's)")
     p.add_argument("--depth", type=int, help="draft expansions per cycle (0: the root's draft children only)")
     p.add_argument("--top-k", type=int, help="draft branching per node")
+    p.add_argument("--lookup", type=int, help="tokens of the prompt-lookup branch added to each tree (0: none)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sampling-top-k", type=int, default=0)
@@ -48,7 +49,7 @@ def parser():
 
 def _kwargs(a) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, speculative=False if a.no_speculative else None,
-                total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k, temperature=a.temperature,
+                total_tokens=a.total_tokens, depth=a.depth, top_k=a.top_k, lookup=a.lookup, temperature=a.temperature,
                 top_p=a.top_p, sampling_top_k=a.sampling_top_k, seed=a.seed)
 
 
@@ -56,8 +57,8 @@ def _decoding(gen, a) -> str:
     """What decoding the command's arguments select, in words."""
     if a.no_speculative:
         return "plain decoding"
-    if any(v is not None for v in (a.total_tokens, a.depth, a.top_k)):
-        return "EAGLE-2 tree {total_tokens}/{depth}/{top_k}".format(**gen.tree(a.total_tokens, a.depth, a.top_k))
+    if any(v is not None for v in (a.total_tokens, a.depth, a.top_k, a.lookup)):
+        return "EAGLE-2 tree " + tree_label(gen.tree(a.total_tokens, a.depth, a.top_k, a.lookup))
     return gen.describe_default()
 
 

@@ -27,6 +27,7 @@ from .torch_session import TORCH_PROVIDERS, TorchSession
 PREFILL_CHUNK = 128
 MAX_TREE_TOKENS = 128   # largest verify step (total_tokens)
 MAX_TOP_K = 16          # largest draft branching (top_k)
+MAX_LOOKUP = 16        # longest prompt-lookup branch
 MAX_DEPTH = 16          # deepest draft expansion (depth); nodes sit at most depth+1 past the context
 
 

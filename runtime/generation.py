@@ -13,9 +13,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle2 import DraftPool, accept_greedy, accept_sampling, process_logits, sample, tree_from_parents
+from eagle2 import (DraftPool, NgramIndex, accept_greedy, accept_sampling, graft_chain, process_logits, sample,
+                    tree_from_parents)
 
-from .engine import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine
+from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine
+
+
+# The lookup matches the last 3 committed tokens and proposes up to 8 tokens when neither the call
+# nor the tuning names a length. Measured on 16 MT-bench first turns (int8, 2-core Xeon, README):
+# 4/1/2 with a branch of 2 / 4 / 8 / 12 tokens decoded 1.09 / 1.12 / 1.13 / 1.10x as fast as 4/1/2
+# alone; matching 2 tokens accepted a little more (tau 2.20 against 2.14) but verified more rows
+# and decoded 2 % slower (against plain decoding in the same run).
+LOOKUP_NGRAM = 3
+DEFAULT_LOOKUP = 8
+
+
+def tree_label(tree: dict) -> str:
+    """total/depth/top_k, with +lookup when there is a lookup branch: 4/1/2+4."""
+    lookup = tree.get("lookup", 0)
+    return "{total_tokens}/{depth}/{top_k}".format(**tree) + (f"+{lookup}" if lookup else "")
 
 
 class PromptTooLongError(ValueError):
@@ -29,6 +45,7 @@ class Settings:
     total_tokens: int = 12
     depth: int = 4
     top_k: int = 4
+    lookup: int = 0  # tokens of the prompt-lookup branch grafted onto each tree (0: none)
     temperature: float = 0.0
     top_p: float = 1.0
     sampling_top_k: int = 0
@@ -41,7 +58,7 @@ class Settings:
             raise ValueError("this artifact has no draft head (exported with --no-head); use speculative=False")
         # depth 0: the tree is drawn from the root's draft children alone, one draft call a cycle.
         limits = (("total_tokens", self.total_tokens, 1, MAX_TREE_TOKENS), ("depth", self.depth, 0, MAX_DEPTH),
-                  ("top_k", self.top_k, 1, MAX_TOP_K))
+                  ("top_k", self.top_k, 1, MAX_TOP_K), ("lookup", self.lookup, 0, MAX_LOOKUP))
         for name, value, low, high in limits:
             if not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
@@ -72,6 +89,9 @@ class Decoder:
         self.engine, self.prompt, self.s, self.stop_ids = engine, np.asarray(prompt, np.int64), settings, stop_ids
         self.rng = np.random.default_rng(settings.seed)
         self.pool = DraftPool(settings.top_k, settings.depth) if settings.speculative else None
+        # Room for a whole last cycle: its tokens are recorded even past the limit that ends the run.
+        self.history = (NgramIndex(LOOKUP_NGRAM, engine.max_length + MAX_TREE_TOKENS)
+                        if settings.speculative and settings.lookup else None)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.finish_reason: str | None = None
         for key in engine.timings:
@@ -103,7 +123,8 @@ class Decoder:
         return out
 
     def _draft_tree(self, root: int, context: int, head, limit: int):
-        """EAGLE-2 expand (depth draft calls) + rerank. `head` = (hidden, ids, logp) of the root's draft row."""
+        """EAGLE-2 expand (depth draft calls) + rerank, plus the prompt-lookup branch.
+        `head` = (hidden, ids, logp) of the root's draft row."""
         hidden, ids, logp = head
         pool, k = self.pool, self.s.top_k
         pool.reset(root, ids[:k], logp[:k])
@@ -111,7 +132,11 @@ class Decoder:
             hidden, ids, logp = self.engine.draft_expand(
                 pool.frontier_tokens(), hidden[pool.frontier_parent_rows()], pool.frontier_mask(), context, step, k)
             pool.expand(ids[:, :k], logp[:, :k])
-        return pool.select(min(self.s.total_tokens, limit))
+        tree = pool.select(min(self.s.total_tokens, limit))
+        if self.history is None:
+            return tree
+        size = min(len(tree.tokens) + self.s.lookup, limit, MAX_TREE_TOKENS)
+        return graft_chain(tree, self.history.propose(self.s.lookup), size)
 
     def tokens(self):
         """Yield lists of newly produced tokens until a stop token, max_new_tokens or max_length."""
@@ -120,6 +145,8 @@ class Decoder:
         context = len(self.prompt)
         self.stats.first_token_s = time.perf_counter() - self.stats.start
         yield from self._emit([root])
+        if self.history is not None:
+            self.history.extend(np.append(self.prompt, root))
         head = self._draft_context(0, np.append(self.prompt[1:], root)) if s.speculative else None
         while not self.finish_reason:
             # The sequence is context + 1 tokens long; a cycle adds at most as many as it verifies.
@@ -137,6 +164,8 @@ class Decoder:
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
             yield from self._emit(new)
+            if self.history is not None:
+                self.history.extend(new)
             if s.speculative and not self.finish_reason:
                 head = self._draft_context(context, np.asarray(new, np.int64))
             context += len(accepted)

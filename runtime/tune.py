@@ -27,12 +27,13 @@ from tqdm import tqdm
 from eagle2 import tree_from_parents
 
 from .cpu import cpu_name
-from .generation import Decoder
+from .generation import DEFAULT_LOOKUP, Decoder, tree_label
 from .prompts import load_prompts
 
 TUNING_FILE = "tuning.json"
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
+TREE_FIELDS = ("total_tokens", "depth", "top_k", "lookup")
 
 
 def read_tuning(artifact: Path, provider: str) -> dict | None:
@@ -72,7 +73,7 @@ def acceptance(gen, prompts: list[list[int]], depth: int, top_k: int, max_new: i
                max_total: int = MAX_TOTAL) -> dict:
     """tau for every tree size up to max_total of this (depth, top_k), and the draft and host seconds
     per cycle."""
-    s = gen._settings(max_new, True, max_total, depth, top_k, 0.0, 1.0, 0, None)
+    s = gen._settings(max_new, True, max_total, depth, top_k, 0, 0.0, 1.0, 0, None)
     taus, cycles, draft, host = np.zeros(max_total + 1), 0, 0.0, 0.0
     for ids in prompts:
         dec = RecordingDecoder(gen.engine, ids, s, gen.stop_ids)
@@ -118,7 +119,7 @@ def measured_speed(gen, prompts, trees, max_new) -> dict:
                 out = gen.generate(ids, max_new_tokens=max_new, speculative=False)
                 reference = out.token_ids
             else:
-                out = gen.generate(ids, max_new_tokens=max_new, total_tokens=t[0], depth=t[1], top_k=t[2])
+                out = gen.generate(ids, max_new_tokens=max_new, **dict(zip(TREE_FIELDS, t)))
                 if out.token_ids != reference:
                     raise AssertionError(f"tree {t}: speculative output differs from plain decoding")
             totals[t][0] += len(out.token_ids) - 1
@@ -140,14 +141,17 @@ def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
             predicted.append({"total_tokens": n, "depth": d, "top_k": k, "tau": r["tau"][n],
                               "cycle_ms": 1e3 * cycle, "tokens_per_s": r["tau"][n] / cycle})
     predicted.sort(key=lambda p: -p["tokens_per_s"])
-    best = [(p["total_tokens"], p["depth"], p["top_k"]) for p in predicted[:CONFIRM]]
+    # Each candidate is confirmed with and without the lookup branch, whose worth (rows it adds
+    # against tokens it lands) only a real decode shows.
+    best = [(p["total_tokens"], p["depth"], p["top_k"], lookup) for p in predicted[:CONFIRM]
+            for lookup in (0, DEFAULT_LOOKUP)]
     speed = measured_speed(gen, prompts, best, max_new)
     plain = speed.pop(None)
     winner = max(speed, key=speed.get)
-    tree = dict(zip(("total_tokens", "depth", "top_k"), winner)) if speed[winner] > plain else None
+    tree = dict(zip(TREE_FIELDS, winner)) if speed[winner] > plain else None
     return {"tree": tree, "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"),
             "plain_tokens_per_s": plain,
-            "confirmed": [{"tree": "/".join(map(str, t)), "tokens_per_s": v, "speedup": v / plain}
+            "confirmed": [{"tree": tree_label(dict(zip(TREE_FIELDS, t))), "tokens_per_s": v, "speedup": v / plain}
                           for t, v in speed.items()],
             "verify_ms": {str(n): 1e3 * v for n, v in verify.items()},
             "draft_ms": {f"{d}/{k}": 1e3 * r["draft_s"] for (d, k), r in runs.items()},
@@ -203,7 +207,7 @@ def main(argv=None) -> int:
     for c in result["confirmed"]:
         print(f"tree {c['tree']:>8}: {c['tokens_per_s']:.1f} tok/s ({c['speedup']:.2f}x)")
     chosen = "plain decoding (no tree beat it here)" if result["tree"] is None else \
-        "tree {total_tokens}/{depth}/{top_k}".format(**result["tree"])
+        "tree " + tree_label(result["tree"])
     print(f"chosen for provider {a.provider}: {chosen}; written to {path}")
     if a.plot:
         plot(result, a.plot)

@@ -64,6 +64,21 @@ def test_smollm2_default_export_is_int8_and_lossless(smollm2_default_artifact):
     for prompt in load_prompts("mtbench:1"):
         ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
         plain = gen.generate(ids, max_new_tokens=64, speculative=False)
-        for tree in ((4, 2, 2), (12, 4, 4)):
-            spec = gen.generate(ids, max_new_tokens=64, total_tokens=tree[0], depth=tree[1], top_k=tree[2])
-            assert spec.token_ids == plain.token_ids, (prompt.category, tree)
+        for total_tokens, depth, top_k, lookup in ((4, 2, 2, 0), (12, 4, 4, 8)):
+            spec = gen.generate(ids, max_new_tokens=64, total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                lookup=lookup)
+            assert spec.token_ids == plain.token_ids, (prompt.category, total_tokens, depth, top_k, lookup)
+
+
+def test_smollm2_lookup_drafts_what_the_reply_copies(smollm2_default_artifact):
+    """A reply that copies its prompt: the lookup branch drafts the copied span, which the head
+    alone drafts a token or two at a time; the output stays that of plain decoding."""
+    gen = runtime.load(smollm2_default_artifact)
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": (
+        "Copy this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, figs, "
+        "grapes, honeydew melons, kiwis, lemons.")}])
+    plain = gen.generate(ids, max_new_tokens=64, speculative=False)
+    head_only = gen.generate(ids, max_new_tokens=64, total_tokens=4, depth=1, top_k=2, lookup=0)
+    with_lookup = gen.generate(ids, max_new_tokens=64, total_tokens=4, depth=1, top_k=2, lookup=8)
+    assert head_only.token_ids == with_lookup.token_ids == plain.token_ids
+    assert with_lookup.mean_accept_length > 2 * head_only.mean_accept_length

@@ -79,3 +79,19 @@ def test_hf_generate_shape(tiny):
     assert out.shape[1] <= ids.shape[1] + 5
     as_np = gen.hf_generate(ids.numpy(), max_new_tokens=5)
     assert isinstance(as_np, np.ndarray) and as_np.tolist() == out.tolist()
+
+
+REPETITIVE = "one two three four, one two three four, one two three four, one two"
+
+
+@pytest.mark.parametrize("lookup", [0, 1, 4, 16])
+def test_lookup_branches_keep_output_identical(tiny, lookup):
+    _, gen = tiny
+    for prompt in PROMPTS + [REPETITIVE]:
+        ids = gen.tokenizer.encode(prompt)
+        plain = gen.generate(ids, max_new_tokens=40, speculative=False)
+        for total_tokens, depth, top_k in TREES:
+            spec = gen.generate(ids, max_new_tokens=40, total_tokens=total_tokens, depth=depth, top_k=top_k,
+                                lookup=lookup)
+            assert spec.token_ids == plain.token_ids, (prompt, lookup)
+

@@ -31,13 +31,13 @@ def small_vocab(tmp_path_factory):
     return ckpt, gen
 
 
-def exact_distribution(ckpt, temperature, top_p, top_k):
+def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT):
     """P(t1, t2, t3) [V, V, V] from the PyTorch twin, processed as the runtime processes logits."""
     model = CausalLM(ckpt.cfg).eval()
     model.load_state_dict({k: v for k, v in ckpt.state.items() if k != "lm_head.weight"}, strict=False)
     model.lm_head.weight = torch.nn.Parameter(ckpt.state["lm_head.weight"])
-    v, n = VOCAB, len(PROMPT)
-    seqs = np.array([PROMPT + [a, b] for a in range(v) for b in range(v)])
+    v, n = VOCAB, len(prompt)
+    seqs = np.array([prompt + [a, b] for a in range(v) for b in range(v)])
     with torch.no_grad():
         logits, _ = model(torch.from_numpy(seqs), torch.arange(n + 2).expand(len(seqs), -1),
                           causal_bias(n + 2), KVCache(ckpt.cfg, n + 2, batch=len(seqs)), 0)
@@ -49,12 +49,12 @@ def exact_distribution(ckpt, temperature, top_p, top_k):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def draw(gen, n, temperature, top_p, top_k, tree=(8, 3, 3)):
+def draw(gen, n, temperature, top_p, top_k, tree=(8, 3, 3), prompt=PROMPT, lookup=0):
     counts = np.zeros((VOCAB,) * 3)
     total_tokens, depth, branching = tree
     for seed in range(n):
-        out = gen.generate(PROMPT, max_new_tokens=3, temperature=temperature, top_p=top_p, sampling_top_k=top_k,
-                           seed=seed, total_tokens=total_tokens, depth=depth, top_k=branching)
+        out = gen.generate(prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, sampling_top_k=top_k,
+                           seed=seed, total_tokens=total_tokens, depth=depth, top_k=branching, lookup=lookup)
         counts[tuple(out.token_ids)] += 1
     return counts
 
@@ -90,6 +90,16 @@ def test_depth_zero_trees_sample_the_base_distribution(small_vocab):
     ckpt, gen = small_vocab
     exact = exact_distribution(ckpt, 1.0, 1.0, 0)
     assert pvalue(draw(gen, DRAWS, 1.0, 1.0, 0, tree=(3, 0, 2)), exact) > ALPHA
+
+
+def test_lookup_branches_sample_the_base_distribution(small_vocab, monkeypatch):
+    """Every token occurs once in the prompt and the lookup matches 1-grams, so each cycle's tree
+    carries a lookup branch (the prompt's continuation of the newest token) besides the draft's."""
+    ckpt, gen = small_vocab
+    monkeypatch.setattr(generation, "LOOKUP_NGRAM", 1)
+    prompt = np.random.default_rng(0).permutation(VOCAB).tolist()
+    exact = exact_distribution(ckpt, 1.0, 1.0, 0, prompt)
+    assert pvalue(draw(gen, DRAWS, 1.0, 1.0, 0, tree=(3, 0, 2), prompt=prompt, lookup=3), exact) > ALPHA
 
 
 def accept_without_rejection(tree, probs, rng):

@@ -8,12 +8,13 @@ import pytest
 import runtime
 from eagle2 import tree_from_parents
 from export.common import DEFAULT_TREE
+from runtime.generation import DEFAULT_LOOKUP, tree_label
 from runtime import acceptance, bench, tune
 from runtime.prompts import load_prompts
 
 # The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
-DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")]
-DEFAULT_NAME = "/".join(map(str, DEFAULT))
+DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")] + [DEFAULT_LOOKUP]
+DEFAULT_NAME = tree_label(dict(zip(("total_tokens", "depth", "top_k", "lookup"), DEFAULT)))
 
 
 def test_acceptance_of_smaller_trees_from_one_cycle():
@@ -35,7 +36,9 @@ def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     assert tune.main([str(artifact), "--n", "2", "--max-new-tokens", "24", "--depths", "1,2", "--top-ks", "1,2",
                       "--plot", str(artifact / "tune.png")]) == 0
     result = json.loads((artifact / tune.TUNING_FILE).read_text())["cpu"]
-    assert result["machine"] and result["plain_tokens_per_s"] > 0 and len(result["confirmed"]) == tune.CONFIRM
+    assert result["machine"] and result["plain_tokens_per_s"] > 0 and len(result["confirmed"]) == 2 * tune.CONFIRM
+    # every candidate is confirmed with and without the lookup branch
+    assert sum("+" in c["tree"] for c in result["confirmed"]) == tune.CONFIRM
     assert set(result["verify_ms"]) == {str(n) for n in range(1, tune.MAX_TOTAL + 1)}
     assert (artifact / "tune.png").stat().st_size > 0
     gen = runtime.load(artifact)
@@ -55,7 +58,7 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
                        "--trees", "default,6/3/2", "--report", f"{out}.md", "--json", f"{out}.json",
                        "--plot", f"{out}.png", "--reference", str(artifact)]) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["tree"] for r in data["rows"]] == [None, DEFAULT, [6, 3, 2]]
+    assert [r["tree"] for r in data["rows"]] == [None, DEFAULT, [6, 3, 2, 0]]
     plain, *trees = data["rows"]
     assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in trees)
     assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in data["rows"])
