@@ -147,8 +147,8 @@ class Generator:
         that ends the generation at the next cycle (finish_reason "cancelled")."""
         events = self.events(prompt, max_new_tokens=max_new_tokens, speculative=speculative,
                              total_tokens=total_tokens, depth=depth, top_k=top_k, lookup=lookup,
-                             temperature=temperature,
-                             top_p=top_p, sampling_top_k=sampling_top_k, seed=seed, stop=stop, cancel=cancel)
+                             temperature=temperature, top_p=top_p, sampling_top_k=sampling_top_k, seed=seed,
+                             stop=stop, cancel=cancel)
         while True:
             try:
                 next(events)

@@ -26,9 +26,9 @@ import onnx
 from tqdm import tqdm
 
 import runtime
-from runtime.generation import tree_label
 from export.artifact import read_manifest
 
+from .generation import TREE_FIELDS, tree_label
 from .peers import make_peers
 from .prompts import load_prompts
 from .tokenizer import ChatTokenizer
@@ -91,7 +91,7 @@ def parse_trees(spec: str, gen) -> list[tuple[int, int, int, int] | None]:
     for item in filter(None, spec.split(",")):
         if item in ("tuned", "default"):
             d = gen.tree_defaults
-            trees.append((d["total_tokens"], d["depth"], d["top_k"], d["lookup"]) if gen.speculative_default else None)
+            trees.append(tuple(d[f] for f in TREE_FIELDS) if gen.speculative_default else None)
         else:
             shape, _, lookup = item.partition("+")
             trees.append((*(int(v) for v in shape.split("/")), int(lookup or 0)))
@@ -99,7 +99,7 @@ def parse_trees(spec: str, gen) -> list[tuple[int, int, int, int] | None]:
 
 
 def as_tree(t: tuple[int, int, int, int]) -> dict:
-    return dict(zip(("total_tokens", "depth", "top_k", "lookup"), t))
+    return dict(zip(TREE_FIELDS, t))
 
 
 def split_spec(spec: str, default_provider: str) -> tuple[str, str, str | None]:
@@ -133,8 +133,7 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
 
     def runner(tree):
         def run(ids):
-            kwargs = {"speculative": False} if tree is None else \
-                as_tree(tree)
+            kwargs = {"speculative": False} if tree is None else as_tree(tree)
             out = gen.generate(ids, max_new_tokens=n, **kwargs)
             return out.token_ids, out.timings["total"] - out.timings["first_token"], out
         return run

@@ -26,6 +26,7 @@ from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_C
 # and decoded 2 % slower (against plain decoding in the same run).
 LOOKUP_NGRAM = 3
 DEFAULT_LOOKUP = 8
+TREE_FIELDS = ("total_tokens", "depth", "top_k", "lookup")  # a tree's settings, in the order labels give them
 
 
 def tree_label(tree: dict) -> str:

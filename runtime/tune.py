@@ -27,13 +27,12 @@ from tqdm import tqdm
 from eagle2 import tree_from_parents
 
 from .cpu import cpu_name
-from .generation import DEFAULT_LOOKUP, Decoder, tree_label
+from .generation import DEFAULT_LOOKUP, TREE_FIELDS, Decoder, tree_label
 from .prompts import load_prompts
 
 TUNING_FILE = "tuning.json"
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
-TREE_FIELDS = ("total_tokens", "depth", "top_k", "lookup")
 
 
 def read_tuning(artifact: Path, provider: str) -> dict | None:
