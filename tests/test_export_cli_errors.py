@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from export.common import default_precision
 from models.registry import load_checkpoint
 
 
@@ -329,7 +330,7 @@ def test_cli_exports_a_tiny_alias(outs, export_cli):
     rc, stdout, err = export_cli("tiny-qwen2", "--out", outs / "artifact", "--max-length", "64")
     assert rc == 0, err
     assert "error" not in err
-    assert "exported tiny-qwen2 (int8, with draft head)" in stdout  # int8: the default precision
+    assert f"exported tiny-qwen2 ({default_precision()}, with draft head)" in stdout  # this CPU's default
     assert f"artifact: {(outs / 'artifact').resolve()}" in stdout
     assert [p.name for p in outs.iterdir()] == ["artifact"]
     assert load_checkpoint("tiny-qwen2").cfg.vocab_size == json.loads(

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from export.artifact import read_manifest
+from export.common import default_precision
 from export.verify import TOLERANCE, ParityError, check_parity, random_tree, stored_weights, tree_bias
 from models.config import ModelConfig
 from models.llama import causal_bias
@@ -207,7 +208,7 @@ def test_hf_directory_export_matches_alias_export(tiny_hf_dir, tiny_head_dir, ti
     rc, stdout, err = export_cli(hf_dir, "--head", head_dir, "--out", out)
     assert rc == 0, err
     assert "with draft head" in stdout
-    alias = tiny_artifact(name, "int8")  # the CLI default
+    alias = tiny_artifact(name, default_precision())  # the CLI default
     got, want = read_manifest(out), read_manifest(alias)
 
     assert got["model"]["source"] == str(hf_dir)

@@ -60,3 +60,17 @@ def test_w8a8_is_refused_without_int8_dot_products(tmp_path, monkeypatch):
     monkeypatch.setattr("runtime.cpu.cpu_flags", lambda: {"sse4_2", "avx2", "fma"})
     with pytest.raises(ProviderError, match="AVX512-VNNI, AVX-VNNI or AMX"):
         runtime.load(tmp_path / "a")
+
+
+@pytest.mark.parametrize("flags, precision", [({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}, "w8a8"),
+                                              ({"avx512f", "avx512_vnni"}, "int8"), ({"avx2", "fma"}, "int8")])
+def test_default_precision_is_w8a8_only_with_amx(flags, precision, monkeypatch):
+    """The export's default follows the CPU exporting: w8a8 where AMX makes its verified rows cheap,
+    int8 elsewhere; the default precision keeps the plain artifact name."""
+    from export.cli import default_out
+    from export.common import default_precision
+    monkeypatch.setattr("export.common.cpu_flags", lambda: flags)
+    assert default_precision() == precision
+    assert default_out("smollm2-135m", precision).name == "smollm2-135m"
+    other = "int8" if precision == "w8a8" else "w8a8"
+    assert default_out("smollm2-135m", other).name == f"smollm2-135m-{other}"

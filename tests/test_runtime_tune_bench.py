@@ -68,6 +68,33 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_bench_runs_artifacts_of_a_worker_provider_in_a_worker(artifact, tmp_path, monkeypatch):
+    """--worker cpu=PYTHON: each cpu artifact decodes in its own runtime.bench_worker process (here
+    under this interpreter), prompt by prompt; the figures come back as from this process."""
+    import shutil
+    import sys
+    started = []
+    popen = bench.subprocess.Popen
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda args, **kw: started.append(args) or popen(args, **kw))
+    second = tmp_path / "second"
+    shutil.copytree(artifact, second)
+    out = tmp_path / "bench.json"
+    assert bench.main([f"{artifact}@cpu", str(second), "--worker", f"cpu={sys.executable}", "--prompts", "builtin",
+                       "--n", "2", "--max-new-tokens", "16", "--trees", "4/1/2+8", "--json", str(out)]) == 0
+    assert [a[:3] for a in started] == [[sys.executable, "-m", "runtime.bench_worker"]] * 2
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tree"] for r in rows] == [None, [4, 1, 2, 8]] * 2
+    assert rows[1]["tau"] == rows[3]["tau"] >= 1.0 and rows[1]["verify_ms"] > 0
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_bench_worker_refusals(artifact):
+    with pytest.raises(SystemExit, match="PROVIDER=PYTHON"):
+        bench.main([str(artifact), "--worker", "cpu"])
+    with pytest.raises(SystemExit, match="cannot start its worker"):
+        bench.main([str(artifact), "--worker", "cpu=/nonexistent/python", "--n", "1"])
+
+
 def test_acceptance_by_category(artifact, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello there", "category": "chat"}\n{"prompt": "1 + 1 =", "category": "math"}\n')
