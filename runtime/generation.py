@@ -23,7 +23,9 @@ from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_C
 # nor the tuning names a length. Measured on 16 MT-bench first turns (int8, 2-core Xeon, README):
 # 4/1/2 with a branch of 2 / 4 / 8 / 12 tokens decoded 1.09 / 1.12 / 1.13 / 1.10x as fast as 4/1/2
 # alone; matching 2 tokens accepted a little more (tau 2.20 against 2.14) but verified more rows
-# and decoded 2 % slower (against plain decoding in the same run).
+# and decoded 2 % slower (against plain decoding in the same run). Falling back to the last 2
+# tokens only where 3 find nothing (two runs, interleaved): tau 2.14 -> 2.24, tokens/s +2.2 % and
+# +0.4 % on w8a8 4/1/2+8, -0.2 % and -2.2 % on int8 3/1/2+8; to the last token: tau 2.34, 2-8 % slower.
 LOOKUP_NGRAM = 3
 DEFAULT_LOOKUP = 8
 TREE_FIELDS = ("total_tokens", "depth", "top_k", "lookup")  # a tree's settings, in the order labels give them
