@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 import runtime
 
-from .bench import as_tree, parse_trees
-from .generation import tree_label
+from .bench import parse_trees
+from .generation import as_tree, tree_label
 from .prompts import load_prompts
 
 

@@ -24,8 +24,8 @@ import platform
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -34,7 +34,7 @@ from tqdm import tqdm
 import runtime
 from export.artifact import read_manifest
 
-from .generation import TREE_FIELDS, tree_label
+from .generation import TREE_FIELDS, as_tree, tree_label
 from .peers import make_peers
 from .prompts import load_prompts
 from .tokenizer import ChatTokenizer
@@ -54,6 +54,9 @@ class Config:
                                                   "draft": 0.0, "verify": 0.0, "host": 0.0,
                                                   "same_tokens": 0, "compared": 0})
 
+
+# Per-cycle timings of speculative decoding that the report splits a cycle into.
+CYCLE_TIMINGS = ("draft", "verify", "host")
 
 # (op, input index) of ONNX nodes that read only a few rows of a table per token: an embedding's
 # Gather and RotaryEmbedding's cos/sin tables.
@@ -102,10 +105,6 @@ def parse_trees(spec: str, gen) -> list[tuple[int, int, int, int] | None]:
             shape, _, lookup = item.partition("+")
             trees.append((*(int(v) for v in shape.split("/")), int(lookup or 0)))
     return list(dict.fromkeys(t for t in trees if t is not None))
-
-
-def as_tree(t: tuple[int, int, int, int]) -> dict:
-    return dict(zip(TREE_FIELDS, t))
 
 
 def split_spec(spec: str, default_provider: str) -> tuple[str, str, str | None]:
@@ -215,7 +214,7 @@ def measure(configs: list[Config], prompts: list[list[int]], n: int) -> None:
             if out is not None and c.tree is not None:
                 t["cycles"] += len(out.accept_lengths)
                 t["accepted"] += sum(out.accept_lengths)
-                for key in ("draft", "verify", "host"):
+                for key in CYCLE_TIMINGS:
                     t[key] += out.timings[key]
 
 
@@ -337,8 +336,8 @@ def main(argv=None) -> int:
     workers = dict(w.split("=", 1) for w in a.worker if "=" in w)
     if len(workers) != len(a.worker):
         raise SystemExit(f"--worker takes PROVIDER=PYTHON, got {', '.join(a.worker)}")
-    remote = {path: workers[provider_of(path, a.provider)] for path in a.artifacts
-              if provider_of(path, a.provider) in workers}
+    providers = {path: provider_of(path, a.provider) for path in a.artifacts}
+    remote = {path: workers[p] for path, p in providers.items() if p in workers}
     configs = [c for path in a.artifacts for c in
                (worker_configs(path, remote[path], a.provider, a.trees, a.max_new_tokens) if path in remote
                 else artifact_configs(path, a.provider, a.trees, a.max_new_tokens))]

@@ -31,6 +31,11 @@ DEFAULT_LOOKUP = 8
 TREE_FIELDS = ("total_tokens", "depth", "top_k", "lookup")  # a tree's settings, in the order labels give them
 
 
+def as_tree(settings: tuple[int, int, int, int]) -> dict:
+    """(total, depth, top_k, lookup) -> the keyword arguments generate() takes for that tree."""
+    return dict(zip(TREE_FIELDS, settings))
+
+
 def tree_label(tree: dict) -> str:
     """total/depth/top_k, with +lookup when there is a lookup branch: 4/1/2+4."""
     lookup = tree.get("lookup", 0)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from eagle2 import tree_from_parents
 
 from .cpu import cpu_name
-from .generation import DEFAULT_LOOKUP, TREE_FIELDS, Decoder, tree_label
+from .generation import DEFAULT_LOOKUP, Decoder, as_tree, tree_label
 from .prompts import load_prompts
 
 TUNING_FILE = "tuning.json"
@@ -118,7 +118,7 @@ def measured_speed(gen, prompts, trees, max_new) -> dict:
                 out = gen.generate(ids, max_new_tokens=max_new, speculative=False)
                 reference = out.token_ids
             else:
-                out = gen.generate(ids, max_new_tokens=max_new, **dict(zip(TREE_FIELDS, t)))
+                out = gen.generate(ids, max_new_tokens=max_new, **as_tree(t))
                 if out.token_ids != reference:
                     raise AssertionError(f"tree {t}: speculative output differs from plain decoding")
             totals[t][0] += len(out.token_ids) - 1
@@ -147,10 +147,10 @@ def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
     speed = measured_speed(gen, prompts, best, max_new)
     plain = speed.pop(None)
     winner = max(speed, key=speed.get)
-    tree = dict(zip(TREE_FIELDS, winner)) if speed[winner] > plain else None
+    tree = as_tree(winner) if speed[winner] > plain else None
     return {"tree": tree, "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"),
             "plain_tokens_per_s": plain,
-            "confirmed": [{"tree": tree_label(dict(zip(TREE_FIELDS, t))), "tokens_per_s": v, "speedup": v / plain}
+            "confirmed": [{"tree": tree_label(as_tree(t)), "tokens_per_s": v, "speedup": v / plain}
                           for t, v in speed.items()],
             "verify_ms": {str(n): 1e3 * v for n, v in verify.items()},
             "draft_ms": {f"{d}/{k}": 1e3 * r["draft_s"] for (d, k), r in runs.items()},

@@ -8,13 +8,13 @@ import pytest
 import runtime
 from eagle2 import tree_from_parents
 from export.common import DEFAULT_TREE
-from runtime.generation import DEFAULT_LOOKUP, TREE_FIELDS, tree_label
+from runtime.generation import DEFAULT_LOOKUP, as_tree, tree_label
 from runtime import acceptance, bench, tune
 from runtime.prompts import load_prompts
 
 # The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
 DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")] + [DEFAULT_LOOKUP]
-DEFAULT_NAME = tree_label(dict(zip(TREE_FIELDS, DEFAULT)))
+DEFAULT_NAME = tree_label(as_tree(DEFAULT))
 
 
 def test_acceptance_of_smaller_trees_from_one_cycle():
