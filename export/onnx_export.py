@@ -5,6 +5,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +15,16 @@ from tqdm import tqdm
 
 from models.draft_vocab import DraftVocab
 from models.gguf_blocks import read_blocks
+from models.tensors import LazyTensors, fp32_arrays
 from models.weights import Checkpoint
 
 from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
-from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WeightStore, build_base, build_draft,
-                         build_draft_eagle3, lm_head_name)
-from .smoothing import ALPHA, CALIBRATION, REPLY_TOKENS, SMOOTHED, activation_maxima, calibration_ids, smooth
+from .memory import check_memory
+from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WEIGHTS_FILE, WeightStore,
+                         build_base, build_draft, build_draft_eagle3, lm_head_name)
+from .smoothing import ALPHA, CALIBRATION, SMOOTHED, activation_maxima, calibration_ids, smooth
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
 DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
@@ -49,68 +52,30 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
                 attention: str | None = None, draft_vocab: DraftVocab | None = None,
                 int8_block: int = INT8_BLOCK) -> dict:
     """`draft_vocab`: the head drafts from these tokens only (models/draft_vocab.py); None = all.
-    `int8_block`: the block size of int8 weights (base and draft), one of INT8_BLOCKS."""
-    if precision not in PRECISIONS:
-        raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    attention = attention or default_attention(precision)
-    if attention not in ATTENTIONS:
-        raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    draft_precision = draft_precision or default_draft_precision(precision)
-    if int8_block not in INT8_BLOCKS:
-        raise ExportError(f"unsupported int8 block size {int8_block}; choose one of {', '.join(map(str, INT8_BLOCKS))}")
-    if draft_precision not in DRAFT_PRECISIONS:
-        raise ExportError(f"unsupported draft precision {draft_precision!r}; choose one of {', '.join(DRAFT_PRECISIONS)}")
-    blocks = None
-    if precision == "gguf":
-        if ckpt.gguf_path is None:
-            raise ExportError("--precision gguf keeps a GGUF's own quantized weights: the model must be a .gguf "
-                              "file or an alias of one (use int8 or fp32 for other sources)")
-        blocks = read_blocks(ckpt.gguf_path, ckpt.cfg)
-    if (draft_precision == "fp16") != (precision == "fp16"):
-        raise ExportError("the draft graph takes the base's hidden states: fp16 pairs only with fp16 "
-                          f"(got base {precision}, draft {draft_precision})")
+    `int8_block`: the block size of int8 weights (base and draft), one of INT8_BLOCKS.
+
+    Streams: tensors are read, converted and appended to weights.bin one at a time, so memory
+    stays near one layer's fp32 weights beside the embedding, whatever the model's size
+    (export/memory.py estimates the peak and refuses an export that cannot fit, before starting)."""
+    attention, draft_precision = _check_options(precision, attention, draft_precision, int8_block)
+    blocks = _gguf_blocks(ckpt) if precision == "gguf" else None
     cfg = ckpt.cfg
     if max_length is None:
         max_length = min(2048, cfg.max_position_embeddings)
     if max_length < 16:
         raise ExportError(f"--max-length {max_length} is too small (at least 16)")
+    check_memory(ckpt, "onnx", precision, verify, log)
     n_positions = max_length + TREE_POSITION_MARGIN
     start = time.time()
-    state = {k: v.float().numpy() for k, v in ckpt.state.items()}
-    smoothing = None
+    state, smoothing = fp32_arrays(ckpt.state), None
     if precision == "w8a8":
-        maxima = activation_maxima(cfg, state, calibration_ids(ckpt.tokenizer))
-        state = smooth(cfg, state, maxima)
+        state, smoothing = _smoothed(cfg, state, ckpt.tokenizer)
         # the parity check compares the graphs with the weights they hold: the smoothed ones
-        ckpt = dataclasses.replace(ckpt, state={k: torch.from_numpy(v) for k, v in state.items()})
-        smoothing = {"method": "SmoothQuant", "alpha": ALPHA, "layers": list(SMOOTHED),
-                     "calibration": f"{len(CALIBRATION)} built-in prompts and the model's greedy replies "
-                                    f"({REPLY_TOKENS} tokens each)"}
+        ckpt = dataclasses.replace(ckpt, state=LazyTensors(state.keys(), lambda k: torch.from_numpy(state[k])))
     with atomic_directory(out, overwrite) as tmp:
-        store = WeightStore()
-        eagle3 = ckpt.head_cfg is not None and ckpt.head_cfg.eagle3
-        fc = ckpt.head_state["fc.weight"].float().numpy() if eagle3 else None
-        with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
-            base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks, fc, int8_block)
-        (tmp / "base.onnx").write_bytes(base.SerializeToString())
-        graphs = {"base": graph_spec(base, "base.onnx")}
-        if ckpt.head_cfg is not None:
-            head_state = {k: v.float().numpy() for k, v in ckpt.head_state.items() if k != "d2t"}
-            head_state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"]
-            if eagle3:
-                head_state["eagle3_lm_head.weight"] = head_state.pop("lm_head.weight")
-                head_state["d2t"] = ckpt.head_state["d2t"].numpy()
-                draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
-                                           int8_block)
-            else:
-                lm = lm_head_name(cfg)
-                head_state[lm] = state[lm]
-                draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
-                                    None if draft_vocab is None else draft_vocab.ids, int8_block)
-            (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
-            graphs["draft"] = graph_spec(draft, "draft.onnx")
-        with tqdm(total=store.nbytes, desc="weights", unit="B", unit_scale=True, file=sys.stderr) as bar:
-            store.write(tmp / "weights.bin", bar)
+        with WeightStore(tmp / WEIGHTS_FILE) as store:
+            graphs = _write_graphs(tmp, store, ckpt, state, precision, draft_precision, n_positions, attention,
+                                   blocks, draft_vocab, int8_block, log)
         save_tokenizer(ckpt, tmp / "tokenizer")
         manifest = {
             "model": {"source": ckpt.source, "config": cfg.to_dict()},
@@ -125,8 +90,8 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # Runtime's CPU kernels, tested), so that greedy speculative output equals plain output.
             "verify_exact": attention == "exact",
             # MLAS's 4-bit MatMulNBits (accuracy level 4) computes a one-row product by another path
-            # than a multi-row one on AVX2 CPUs (measured on an AMD Zen 3; every multi-row size
-            # agrees), so the runtime runs one-token steps of such artifacts as two rows.
+            # than a multi-row one on AVX2 CPUs, so the runtime runs one-token steps of such
+            # artifacts as two rows.
             "verify_min_rows": 2 if blocks and any(b.bits == 4 for b in blocks.values()) else 1,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
             "int8_block": int8_block if "int8" in (precision, draft_precision) else None,
@@ -143,3 +108,71 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
         }
         finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log)
     return json.loads((out / "manifest.json").read_text())
+
+
+def _check_options(precision: str, attention: str | None, draft_precision: str | None,
+                   int8_block: int) -> tuple[str, str]:
+    """(attention, draft precision), the defaults filled in; ExportError for what cannot be built."""
+    if precision not in PRECISIONS:
+        raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    attention = attention or default_attention(precision)
+    if attention not in ATTENTIONS:
+        raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    draft_precision = draft_precision or default_draft_precision(precision)
+    if int8_block not in INT8_BLOCKS:
+        raise ExportError(f"unsupported int8 block size {int8_block}; choose one of {', '.join(map(str, INT8_BLOCKS))}")
+    if draft_precision not in DRAFT_PRECISIONS:
+        raise ExportError(f"unsupported draft precision {draft_precision!r}; choose one of {', '.join(DRAFT_PRECISIONS)}")
+    if (draft_precision == "fp16") != (precision == "fp16"):
+        raise ExportError("the draft graph takes the base's hidden states: fp16 pairs only with fp16 "
+                          f"(got base {precision}, draft {draft_precision})")
+    return attention, draft_precision
+
+
+def _gguf_blocks(ckpt: Checkpoint) -> dict:
+    if ckpt.gguf_path is None:
+        raise ExportError("--precision gguf keeps a GGUF's own quantized weights: the model must be a .gguf "
+                          "file or an alias of one (use int8 or fp32 for other sources)")
+    return read_blocks(ckpt.gguf_path, ckpt.cfg)
+
+
+def _smoothed(cfg, state: Mapping, tokenizer) -> tuple[Mapping, dict]:
+    """w8a8's weights with SmoothQuant folded in, and the manifest's record of how."""
+    maxima = activation_maxima(cfg, state, calibration_ids(tokenizer))
+    record = {"method": "SmoothQuant", "alpha": ALPHA, "layers": list(SMOOTHED),
+              "calibration": f"{len(CALIBRATION)} built-in chat prompts with fixed replies, teacher-forced"}
+    return smooth(cfg, state, maxima), record
+
+
+def _write_graphs(tmp: Path, store: WeightStore, ckpt: Checkpoint, state: Mapping, precision: str,
+                  draft_precision: str, n_positions: int, attention: str, blocks: dict | None,
+                  draft_vocab: DraftVocab | None, int8_block: int, log) -> dict:
+    """base.onnx and draft.onnx, their weights appended to `store`; returns the manifest's graphs."""
+    cfg = ckpt.cfg
+    eagle3 = ckpt.head_cfg is not None and ckpt.head_cfg.eagle3
+    fc = ckpt.head_state["fc.weight"].float().numpy() if eagle3 else None
+    with tqdm(total=cfg.num_layers, desc="base graph", unit="layer", file=sys.stderr) as bar:
+        base = build_base(cfg, state, precision, n_positions, store, bar, attention, blocks, fc, int8_block)
+    (tmp / "base.onnx").write_bytes(base.SerializeToString())
+    graphs = {"base": graph_spec(base, "base.onnx")}
+    if ckpt.head_cfg is None:
+        return graphs
+    # the head also reads the base's embedding, and an EAGLE-1/2 head the base's lm_head: the very
+    # tensors the base graph stored
+    head = fp32_arrays(ckpt.head_state)
+    sources = {k: (head, k) for k in head}
+    if eagle3:
+        sources["eagle3_lm_head.weight"] = sources.pop("lm_head.weight")
+    else:
+        sources[lm_head_name(cfg)] = (state, lm_head_name(cfg))
+    sources["model.embed_tokens.weight"] = (state, "model.embed_tokens.weight")
+    head_state = LazyTensors(sources, lambda k: sources[k][0][sources[k][1]])
+    log("draft graph ...")
+    if eagle3:
+        draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store, int8_block)
+    else:
+        draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
+                            None if draft_vocab is None else draft_vocab.ids, int8_block)
+    (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
+    graphs["draft"] = graph_spec(draft, "draft.onnx")
+    return graphs

@@ -30,10 +30,13 @@ Two attention implementations:
 from __future__ import annotations
 
 import hashlib
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from models.config import ModelConfig
@@ -92,45 +95,46 @@ class Precision:
 
 
 class WeightStore:
-    """Every large tensor of an artifact, written once to weights.bin as ONNX external data.
+    """Every large tensor of an artifact, appended to weights.bin (ONNX external data) as the graph
+    builders make it, so that no more than the tensor at hand is held in memory.
 
     Graphs refer to tensors by name, so the draft graph's embedding and lm_head are the very
-    bytes of the base graph's, not a second copy.
+    bytes of the base graph's, not a second copy (a digest checks that a name is never reused for
+    other bytes).
     """
 
-    def __init__(self):
-        self._arrays: dict[str, np.ndarray] = {}
-        self._offsets: dict[str, int] = {}
+    def __init__(self, path):
+        self._file = open(path, "wb")
+        self._entries: dict[str, tuple[int, tuple, np.dtype, bytes]] = {}
         self._size = 0
+        self.nbytes = 0
 
     def tensor(self, name: str, array: np.ndarray) -> TensorProto:
         array = np.ascontiguousarray(array)
-        if name in self._arrays:
-            old = self._arrays[name]
-            if old.shape != array.shape or old.dtype != array.dtype or not np.array_equal(old, array):
+        digest = hashlib.sha1(array.reshape(-1).view(np.uint8)).digest()
+        if name in self._entries:
+            _, shape, dtype, old = self._entries[name]
+            if (shape, dtype, old) != (array.shape, array.dtype, digest):
                 raise ValueError(f"two different tensors named {name!r}")
         else:
-            self._arrays[name] = array
-            self._offsets[name] = self._size
+            self._file.seek(self._size)
+            self._file.write(array.data)
+            self._entries[name] = (self._size, array.shape, array.dtype, digest)
             self._size += -(-array.nbytes // ALIGN) * ALIGN
+            self.nbytes += array.nbytes
         t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
-        for key, value in (("location", WEIGHTS_FILE), ("offset", self._offsets[name]), ("length", array.nbytes)):
+        for key, value in (("location", WEIGHTS_FILE), ("offset", self._entries[name][0]), ("length", array.nbytes)):
             t.external_data.add(key=key, value=str(value))
         t.data_location = TensorProto.EXTERNAL
         return t
 
-    def write(self, path, progress=None) -> None:
-        with open(path, "wb") as f:
-            for name, array in self._arrays.items():
-                f.seek(self._offsets[name])
-                f.write(array.tobytes())
-                if progress is not None:
-                    progress.update(array.nbytes)
-            f.truncate(self._size)
+    def __enter__(self) -> "WeightStore":
+        return self
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays.values())
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self._file.truncate(self._size)  # to the last tensor's aligned end
+        self._file.close()
 
 
 class Graph:
@@ -197,15 +201,15 @@ def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:
 def quantize_channels_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 weights with one scale per output channel (the w8a8 precision).
 
-    w is [N, K] (a torch Linear weight). Returns q [K, N] int8 (MatMulInteger's B) and scales [N]."""
+    w is [N, K] (a torch Linear weight). Returns q [N, K] int8 and scales [N]."""
     scale = np.abs(w).max(axis=1) / 127.0
     scale[scale == 0] = 1.0
     q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return np.ascontiguousarray(q.T), scale.astype(np.float32)
+    return q, scale.astype(np.float32)
 
 
 def dequantize_channels_8bit(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return q.T.astype(np.float32) * scale[:, None]
+    return q.astype(np.float32) * scale[:, None]
 
 
 class Builder:
@@ -214,7 +218,7 @@ class Builder:
     `blocks` (precision gguf): the source GGUF's quantized weights by name (models/gguf_blocks.py);
     linear layers found there keep their blocks, others stay fp32."""
 
-    def __init__(self, g: Graph, precision: str, state: dict[str, np.ndarray], blocks: dict | None = None,
+    def __init__(self, g: Graph, precision: str, state: Mapping[str, np.ndarray], blocks: dict | None = None,
                  int8_block: int = INT8_BLOCK):
         self.g, self.p, self.state, self.blocks = g, Precision(precision), state, blocks or {}
         self.int8_block = int8_block
@@ -275,9 +279,10 @@ class Builder:
         row_scale = g.op("Max", [g.op("Mul", [g.op("Sub", [hi, lo]), g.const(1 / 254, f32)]), g.const(1e-30, f32)])
         xq = g.op("QuantizeLinear", [g.op("Sub", [x, mid]), row_scale, self._zero_points(row_scale, rows)],
                   axis=1, block_size=weight.shape[1])
-        ins = [xq, g.weight(f"{name}.w8", q), row_scale, g.weight(f"{name}.channel_scales", scales),
-               g.const(W8A8_ZERO_POINT, np.uint8)]
-        column_sums = dequantize_channels_8bit(q, scales).sum(axis=1).astype(f32)
+        # MatMulInteger's B is [K, N]; torch transposes int8 several times faster than numpy
+        ins = [xq, g.weight(f"{name}.w8", torch.from_numpy(q).t().contiguous().numpy()), row_scale,
+               g.weight(f"{name}.channel_scales", scales), g.const(W8A8_ZERO_POINT, np.uint8)]
+        column_sums = scales * q.sum(axis=1, dtype=np.int32).astype(f32)  # the integer sums are exact
         y = g.op("Add", [g.op("MatMulIntegerToFloat", ins, domain="com.microsoft"),
                          g.op("Mul", [mid, g.weight(f"{name}.column_sums", column_sums)])])
         if bias is not None:
@@ -497,7 +502,7 @@ def lm_head_name(cfg: ModelConfig) -> str:
     return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
 
 
-def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n_positions: int,
+def build_base(cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str, n_positions: int,
                store: WeightStore, progress=None, attention: str = "exact", blocks: dict | None = None,
                eagle3_fc: np.ndarray | None = None, int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
     """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
@@ -536,7 +541,7 @@ def build_base(cfg: ModelConfig, state: dict[str, np.ndarray], precision: str, n
     return g.model("base", "EAGLE-2 base model: tree step over an in-place KV cache")
 
 
-def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, np.ndarray], precision: str,
+def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str,
                 n_positions: int, store: WeightStore, draft_vocab: np.ndarray | None = None,
                 int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
     """EAGLE-1/2 head. `state` holds the head tensors plus the base's embedding and lm_head.
@@ -561,7 +566,7 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, n
     out = g.op("Add", [x, b.mlp(h, "layers.0.")])
     lm = lm_head_name(base_cfg)
     if draft_vocab is not None:
-        b.state = {**state, "draft_lm_head.weight": state[lm][draft_vocab]}
+        b.state = ChainMap({"draft_lm_head.weight": state[lm][draft_vocab]}, state)
         lm = "draft_lm_head.weight"
     logp = g.op("LogSoftmax", [b.lm_head(out, lm)], axis=-1)
     if draft_vocab is None:
@@ -577,7 +582,7 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, n
     return g.model("draft", "EAGLE-1/2 draft head: fc + one decoder layer + base lm_head, top-k inside")
 
 
-def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: dict[str, np.ndarray], precision: str,
+def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str,
                        n_positions: int, store: WeightStore, int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
     """EAGLE-3 head, the same inputs and outputs as build_draft. `state` holds the head tensors
     (its lm_head renamed eagle3_lm_head.weight, d2t int64) plus the base's embedding. Features are

@@ -7,7 +7,7 @@ s_j and the layer's weight column j multiplied by it, which leaves the product u
 arithmetic. The division is folded into whatever writes the input, so it costs nothing at run time:
 the RMSNorm weight before q/k/v and before gate/up, and up_proj's rows before down_proj (its input
 is silu(gate) * up, linear in up). s_j = max|x_j|^alpha / max|W_:j|^(1 - alpha), from the model's
-own activations on a fixed calibration set (its prompts and its greedy replies to them).
+own activations on a fixed calibration set (chat prompts with fixed replies, teacher-forced).
 
 Measured on SmolLM2-135M with rows scaled by max |x| / 127 (w8a8's first design; teacher-forced
 top-1 agreement with fp32 over 16 MT-bench first turns, where the int8 precision gives 0.963): all
@@ -19,38 +19,65 @@ head's feature) are left as they are: row-quantizing either alone lost at most 0
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.llama import CausalLM, KVCache, causal_bias
+from models.llama import causal_bias, forward_layers
+from models.tensors import LazyTensors, layer_tensors
 
 ALPHA = 0.5
-# Varied on purpose (chat, code, arithmetic, a list, prose): the maxima should see every kind of text.
+# Varied on purpose (chat, code, arithmetic, a list, prose, translation): the maxima should see
+# every kind of text. Each prompt comes with a fixed reply, so that calibration is one
+# teacher-forced pass that runs a layer at a time (forward_layers), whatever the model's size;
+# greedy replies would need the whole model per generated token.
 CALIBRATION = (
-    "What is the capital of France, and why did it become the capital?",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test.",
-    "A train leaves at 3:40 pm and travels 150 km at 60 km/h. When does it arrive? Show your steps.",
-    "Give me five tips for a job interview, as a numbered list.",
-    "Summarize the causes of the First World War in one paragraph.",
-    "Translate 'the weather is nice today' into Spanish and German.",
-    "Explain what a hash table is to a beginner programmer.",
-    "Write a short, friendly email inviting my team to a Friday lunch.",
+    ("What is the capital of France, and why did it become the capital?",
+     "The capital of France is Paris. It became the capital because the Capetian kings ruled from it in the "
+     "tenth century: it sat on the Seine at the centre of their lands, close to rich farmland and trade routes, "
+     "and the royal court, the church and later the government all grew around it."),
+    ("Write a Python function that returns the n-th Fibonacci number, with a docstring and a test.",
+     "```python\ndef fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number (fibonacci(0) == 0).\"\"\"\n"
+     "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
+     "def test_fibonacci():\n    assert [fibonacci(i) for i in range(7)] == [0, 1, 1, 2, 3, 5, 8]\n```"),
+    ("A train leaves at 3:40 pm and travels 150 km at 60 km/h. When does it arrive? Show your steps.",
+     "1. Time = distance / speed = 150 km / 60 km/h = 2.5 hours.\n2. 2.5 hours is 2 hours and 30 minutes.\n"
+     "3. 3:40 pm + 2 h = 5:40 pm; 5:40 pm + 30 min = 6:10 pm.\nThe train arrives at 6:10 pm."),
+    ("Give me five tips for a job interview, as a numbered list.",
+     "1. Research the company and the role before you go.\n2. Prepare short stories that show your skills.\n"
+     "3. Arrive ten minutes early and dress a little above the office norm.\n4. Listen carefully and answer "
+     "the question that was asked.\n5. Ask two or three thoughtful questions at the end, and send a thank-you note."),
+    ("Summarize the causes of the First World War in one paragraph.",
+     "The First World War grew out of militarism, a web of alliances, imperial rivalry and nationalism. The "
+     "great powers had built up large armies and navies, and treaties bound them to defend each other, so when "
+     "a Serbian nationalist assassinated Archduke Franz Ferdinand in Sarajevo in June 1914, Austria-Hungary's "
+     "ultimatum to Serbia drew Russia, Germany, France and Britain into war within weeks."),
+    ("Translate 'the weather is nice today' into Spanish and German.",
+     "Spanish: \"Hoy hace buen tiempo.\"\nGerman: \"Das Wetter ist heute schön.\""),
+    ("Explain what a hash table is to a beginner programmer.",
+     "A hash table stores values under keys, like a dictionary. A hash function turns each key into a number "
+     "that picks a slot in an array, so finding a value takes about the same time however many items there are. "
+     "When two keys land in the same slot, the table keeps both, for example in a short list."),
+    ("Write a short, friendly email inviting my team to a Friday lunch.",
+     "Subject: Team lunch this Friday!\n\nHi everyone,\n\nLet's celebrate a great week together: lunch is on "
+     "Friday at 12:30 at Luigi's, just around the corner. Please reply by Wednesday so I can book a table, and "
+     "tell me about any dietary needs.\n\nSee you there,\nAlex"),
 )
-REPLY_TOKENS = 48
 
 
 def calibration_ids(tokenizer) -> list[list[int]]:
-    """The calibration prompts as the model sees them: its chat template where it has one."""
+    """The calibration conversations as the model sees them: its chat template where it has one."""
     out = []
-    for text in CALIBRATION:
+    for prompt, reply in CALIBRATION:
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                                 {"role": "assistant", "content": reply}],
                                                 tokenize=True, return_dict=True)["input_ids"]
         else:
-            ids = tokenizer(text)["input_ids"]
+            ids = tokenizer(f"{prompt}\n{reply}")["input_ids"]
         out.append(list(ids))
     return out
 
@@ -61,12 +88,10 @@ SMOOTHED = ("q_proj", "gate_proj", "down_proj")
 
 
 @torch.no_grad()
-def activation_maxima(cfg: ModelConfig, state: dict[str, np.ndarray], prompts: list[list[int]],
-                      reply_tokens: int = REPLY_TOKENS) -> dict[str, np.ndarray]:
-    """Per-channel max |input| of every layer's SMOOTHED modules over the prompts and the model's
-    greedy replies to them (what decoding feeds the layers), keyed "layer.module"."""
-    model = CausalLM(cfg, n_positions=max(map(len, prompts)) + reply_tokens)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+def activation_maxima(cfg: ModelConfig, state: Mapping[str, np.ndarray],
+                      sequences: list[list[int]]) -> dict[str, np.ndarray]:
+    """Per-channel max |input| of every layer's SMOOTHED modules over the calibration sequences,
+    keyed "layer.module". One layer is in memory at a time (models.llama.forward_layers)."""
     maxima: dict[str, torch.Tensor] = {}
 
     def record(key):
@@ -75,18 +100,18 @@ def activation_maxima(cfg: ModelConfig, state: dict[str, np.ndarray], prompts: l
             maxima[key] = torch.maximum(maxima[key], m) if key in maxima else m
         return hook
 
-    for i, layer in enumerate(model.model.layers):
-        for name in SMOOTHED:
-            module = getattr(layer.mlp if name != "q_proj" else layer.self_attn, name)
-            module.register_forward_pre_hook(record(f"{i}.{name}"))
-    for ids in tqdm(prompts, desc="SmoothQuant calibration", unit="prompt", file=sys.stderr):
-        cache = KVCache(cfg, len(ids) + reply_tokens)
-        x, start = torch.tensor([ids]), 0
-        for _ in range(reply_tokens):
-            t = x.shape[1]
-            logits, _ = model(x, torch.arange(start, start + t)[None], causal_bias(t, start), cache, start)
-            start += t
-            x = logits[:, -1:].argmax(-1)
+    embed = torch.as_tensor(state["model.embed_tokens.weight"])
+    xs = [[embed[torch.tensor([ids])]] for ids in sequences]
+    del embed
+    steps = [[(torch.arange(len(ids))[None], causal_bias(len(ids)), 0)] for ids in sequences]
+    with tqdm(total=cfg.num_layers, desc="SmoothQuant calibration", unit="layer", file=sys.stderr) as bar:
+        def visit(i, layer, _xs, _caches):
+            for name in SMOOTHED:
+                module = getattr(layer.mlp if name != "q_proj" else layer.self_attn, name)
+                module.register_forward_pre_hook(record(f"{i}.{name}"))
+            bar.update(1)
+        forward_layers(cfg, lambda i: layer_tensors(state, f"model.layers.{i}."), xs, steps,
+                       max(map(len, sequences)), visit)
     return {k: v.numpy() for k, v in maxima.items()}
 
 
@@ -97,10 +122,11 @@ def smoothing_factors(x_max: np.ndarray, weights: list[np.ndarray], alpha: float
     return np.clip(s, 1e-5, 1e5).astype(np.float32)
 
 
-def smooth(cfg: ModelConfig, state: dict[str, np.ndarray], maxima: dict[str, np.ndarray],
-           alpha: float = ALPHA) -> dict[str, np.ndarray]:
-    """A copy of `state` with the smoothing folded in: the same function in exact arithmetic."""
-    out = dict(state)
+def smooth(cfg: ModelConfig, state: Mapping[str, np.ndarray], maxima: dict[str, np.ndarray],
+           alpha: float = ALPHA) -> LazyTensors:
+    """`state` with the smoothing folded in (the same function in exact arithmetic), computed per
+    tensor on access: the factors are taken from the unsmoothed weights once, here."""
+    factors, scaled, divided = {}, {}, {}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         # (the module the maxima were taken at, the weights reading that input, what writes it)
@@ -109,9 +135,18 @@ def smooth(cfg: ModelConfig, state: dict[str, np.ndarray], maxima: dict[str, np.
                                      (f"{i}.gate_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
                                       f"{p}post_attention_layernorm.weight"),
                                      (f"{i}.down_proj", [f"{p}mlp.down_proj.weight"], f"{p}mlp.up_proj.weight")):
-            s = smoothing_factors(maxima[key], [out[w] for w in weights], alpha)
+            factors[key] = smoothing_factors(maxima[key], [state[w] for w in weights], alpha)
             for w in weights:
-                out[w] = out[w] * s
+                scaled[w] = key
+            divided[source] = key
+
+    def load(name):
+        w = state[name]
+        if name in scaled:
+            w = w * factors[scaled[name]]
+        if name in divided:
             # a norm weight [K] scales channels; up_proj [K, H] writes channel j with its row j
-            out[source] = out[source] / (s if out[source].ndim == 1 else s[:, None])
-    return out
+            s = factors[divided[name]]
+            w = w / (s if w.ndim == 1 else s[:, None])
+        return w
+    return LazyTensors(state.keys(), load)

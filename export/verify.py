@@ -5,12 +5,17 @@ base and on the draft head, through the real ONNX Runtime sessions and in-place 
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
+
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
-from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, base_features, causal_bias
+from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, RMSNorm, causal_bias, eagle3_layers, forward_layers
+from models.tensors import LazyTensors, layer_tensors
 from runtime.engine import open_session
 
 from .onnx_graph import INT8_BLOCK, dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
@@ -28,26 +33,27 @@ class ParityError(AssertionError):
     pass
 
 
-def stored_weights(state: dict[str, torch.Tensor], precision: str, int8_block: int = INT8_BLOCK) -> dict[str, torch.Tensor]:
-    """The weights as the graph holds them (rounded to fp16, or 8-bit dequantized), in fp32. A gguf
+def stored_weight(name: str, t: torch.Tensor, precision: str, int8_block: int = INT8_BLOCK) -> torch.Tensor:
+    """One weight as the graph holds it (rounded to fp16, or 8-bit dequantized), in fp32. A gguf
     graph holds the checkpoint's own values (the GGUF's blocks, which it was dequantized from)."""
-    out = {}
-    for name, t in state.items():
-        if not t.is_floating_point():  # an EAGLE-3 head's d2t map
-            out[name] = t
-            continue
-        t = t.float()
-        if precision == "fp16":
-            t = t.half().float()
-        elif precision == "bf16":
-            t = t.bfloat16().float()
-        elif precision == "int8" and name.endswith(LINEAR_SUFFIXES):
-            q, s = quantize_8bit(t.numpy(), int8_block)
-            t = torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
-        elif precision == "w8a8" and name.endswith(LINEAR_SUFFIXES):
-            t = torch.from_numpy(dequantize_channels_8bit(*quantize_channels_8bit(t.numpy())))
-        out[name] = t
-    return out
+    t = torch.as_tensor(t)
+    if not t.is_floating_point():  # an EAGLE-3 head's d2t map
+        return t
+    t = t.float()
+    if precision == "fp16":
+        return t.half().float()
+    if precision == "bf16":
+        return t.bfloat16().float()
+    if precision == "int8" and name.endswith(LINEAR_SUFFIXES):
+        q, s = quantize_8bit(t.numpy(), int8_block)
+        return torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
+    if precision == "w8a8" and name.endswith(LINEAR_SUFFIXES):
+        return torch.from_numpy(dequantize_channels_8bit(*quantize_channels_8bit(t.numpy())))
+    return t
+
+
+def stored_weights(state: Mapping, precision: str, int8_block: int = INT8_BLOCK) -> dict[str, torch.Tensor]:
+    return {name: stored_weight(name, t, precision, int8_block) for name, t in state.items()}
 
 
 def reference_models(cfg, state, head_cfg, head_state, precision, draft_precision, n_positions,
@@ -85,18 +91,18 @@ def _cast(x: np.ndarray, spec_dtype: str) -> np.ndarray:
     return np.ascontiguousarray(x.astype(np.float16 if spec_dtype == "float16" else x.dtype))
 
 
-def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, head_state,
+def check_parity(artifact, manifest: dict, cfg: ModelConfig, state: Mapping, head_cfg, head_state,
                  prefill: int = 12, tree: int = 8, seed: int = 0, draft_vocab: np.ndarray | None = None) -> dict[str, float]:
     """Returns the relative max differences; raises ParityError above the precision's tolerance.
-    `draft_vocab`: the token ids the draft graph ranks (None = all)."""
+    `draft_vocab`: the token ids the draft graph ranks (None = all).
+
+    Bounded memory at any size: one ONNX Runtime session at a time, and the PyTorch reference runs
+    a layer at a time over weights read on demand (models.llama.forward_layers)."""
     precision, draft_precision = manifest["precision"], manifest.get("draft_precision")
-    n_pos = manifest["rotary_positions"]
-    io_dtype = manifest["io_dtype"]
+    n_pos, io_dtype = manifest["rotary_positions"], manifest["io_dtype"]
+    int8_block = manifest.get("int8_block") or INT8_BLOCK
     rng = np.random.default_rng(seed)
     cache_len = prefill + tree + 4
-    int8_block = manifest.get("int8_block") or INT8_BLOCK
-    base_ref, head_ref, draft_lm = reference_models(cfg, state, head_cfg, head_state, precision, draft_precision,
-                                                    n_pos, int8_block)
     parents, depth = random_tree(tree, rng)
     steps = [  # (ids, positions, bias, start)
         (rng.integers(0, cfg.vocab_size, (1, prefill)), np.arange(prefill)[None], causal_bias(prefill).numpy(), 0),
@@ -110,42 +116,42 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
         diffs[name] = max(diffs.get(name, 0.0), rel)
 
     provider = "cpu" if manifest["target"] == "onnx" else manifest["target"]
-    base = open_session(artifact, manifest["graphs"]["base"], provider, "cpu", cache_len, max(prefill, tree), 64, None)
-    cache = KVCache(cfg, cache_len)
-    features = []
-    with torch.no_grad():
-        for ids, pos, bias, start in steps:
-            rows = np.arange(ids.shape[1])
-            out = base.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
-                            "logit_rows": rows})
-            if head_cfg is not None and head_cfg.eagle3:
-                # The base graph outputs the head's fc of the fused layer inputs, in the base's precision.
-                logits, aux = base_features(base_ref, torch.from_numpy(ids), torch.from_numpy(pos),
-                                            torch.from_numpy(bias), cache, start)
-                hidden = aux @ stored_weights({"fc.weight": head_state["fc.weight"]}, precision, int8_block)["fc.weight"].T
-            else:
-                logits, hidden = base_ref(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(bias), cache,
-                                          start)
-            record("base.logits", out["logits"], logits)
-            record("base.hidden_states", out["hidden_states"], hidden)
-            features.append(hidden)
-        graph_k = base.cache_arrays()[0][:, :, :prefill + tree]
-        record("base.kv_cache", graph_k, cache.k[0][:, :, :prefill + tree])
-        if head_ref is not None:
-            draft = open_session(artifact, manifest["graphs"]["draft"], provider, "cpu", cache_len, max(prefill, tree),
-                                 64, None)
-            dcache = KVCache(head_cfg, cache_len)
-            k = min(8, head_cfg.draft_vocab_size if head_cfg.eagle3 else cfg.vocab_size)
-            top_k = np.array([k], np.int64)
+
+    def session(graph: str):
+        return open_session(artifact, manifest["graphs"][graph], provider, "cpu", cache_len, max(prefill, tree), 64,
+                            None)
+
+    base = session("base")
+    graph_out = []  # copied at once: a session's outputs are views of buffers the next run rewrites
+    for ids, pos, bias, _ in steps:
+        out = base.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
+                        "logit_rows": np.arange(ids.shape[1])})
+        graph_out.append({k: np.array(v) for k, v in out.items()})
+    graph_k = np.array(base.cache_arrays()[0][:, :, :prefill + tree])
+    del base
+    stored = LazyTensors(state.keys(), lambda k: stored_weight(k, state[k], precision, int8_block))
+    lm_name = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
+    features = _reference_base(cfg, stored, steps, n_pos, head_cfg, head_state, precision, int8_block,
+                               record, graph_out, graph_k)
+    if head_cfg is not None:
+        head = (Eagle3Head if head_cfg.eagle3 else EagleHead)(head_cfg, n_pos).eval()
+        head.load_state_dict(stored_weights(head_state, draft_precision, int8_block))
+        draft_lm = stored_weight("lm_head.weight", state[lm_name], draft_precision, int8_block)
+        embed = stored["model.embed_tokens.weight"]
+        draft = session("draft")
+        dcache = KVCache(head_cfg, cache_len)
+        k = min(8, head_cfg.draft_vocab_size if head_cfg.eagle3 else cfg.vocab_size)
+        top_k = np.array([k], np.int64)
+        with torch.no_grad():
             for (ids, pos, bias, start), feats in zip(steps, features):
                 out = draft.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
                                  "features": _cast(feats.numpy(), io_dtype), "top_k": top_k,
                                  "logit_rows": np.arange(ids.shape[1])}, k=k)
-                h = head_ref(base_ref.model.embed_tokens(torch.from_numpy(ids)), feats, torch.from_numpy(pos),
-                             torch.from_numpy(bias), dcache, start)
+                h = head(embed[torch.from_numpy(ids)], feats, torch.from_numpy(pos), torch.from_numpy(bias), dcache,
+                         start)
                 if head_cfg.eagle3:
-                    vocab = head_ref.vocab
-                    logp = torch.log_softmax(head_ref.logits(h).float(), -1)
+                    vocab = head.vocab
+                    logp = torch.log_softmax(head.logits(h).float(), -1)
                 else:
                     vocab = torch.arange(draft_lm.shape[0]) if draft_vocab is None else torch.from_numpy(draft_vocab)
                     logp = torch.log_softmax(h.float() @ draft_lm[vocab].T, -1)
@@ -153,8 +159,48 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state, head_cfg, he
                 record("draft.topk_logprobs", out["topk_logprobs"], logp.topk(k, -1).values)
                 if not np.isin(out["topk_ids"], vocab.numpy()).all():
                     raise ParityError("the draft graph proposed a token outside its draft vocabulary")
+        del draft
     tolerance = {n: TOLERANCE[draft_precision if n.startswith("draft.") else precision] for n in diffs}
     bad = [f"{n} {d:.3g} > {tolerance[n]}" for n, d in diffs.items() if d > tolerance[n]]
     if bad:
         raise ParityError("graphs differ from the PyTorch definition: " + ", ".join(bad))
     return diffs
+
+
+@torch.no_grad()
+def _reference_base(cfg, stored: Mapping, steps, n_pos, head_cfg, head_state, precision, int8_block, record,
+                    graph_out, graph_k) -> list[torch.Tensor]:
+    """The base's reference outputs for `steps`, recorded against the graph's; returns the features
+    the draft head reads at each step."""
+    embed = stored["model.embed_tokens.weight"]
+    xs = [[embed[torch.from_numpy(ids)] for ids, *_ in steps]]
+    del embed
+    eagle3 = head_cfg is not None and head_cfg.eagle3
+    taps, tapped, layer0 = eagle3_layers(cfg), {}, []
+
+    def visit(i, _layer, xs, caches):
+        if i == 0:
+            layer0.append(caches[0][0])
+        if eagle3 and i in taps:
+            tapped[i] = xs[0]
+        bar.update(1)
+    refs = [(torch.from_numpy(pos), torch.from_numpy(bias), start) for _, pos, bias, start in steps]
+    with tqdm(total=cfg.num_layers, desc="parity check: PyTorch reference", unit="layer", file=sys.stderr) as bar:
+        out = forward_layers(cfg, lambda i: layer_tensors(stored, f"model.layers.{i}."), xs, [refs], n_pos,
+                             visit)[0]
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.data = stored["model.norm.weight"]
+    lm = stored["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"]
+    if "lm_head.weight" not in stored:  # tied: the graph's lm_head is the embedding in the linear precision
+        lm = stored_weight("lm_head.weight", lm, precision, int8_block)
+    features = []
+    for j, (x, got) in enumerate(zip(out, graph_out)):
+        hidden = norm(x)
+        record("base.logits", got["logits"], (hidden @ lm.T).float())
+        if eagle3:
+            fc = stored_weight("fc.weight", head_state["fc.weight"], precision, int8_block)
+            hidden = torch.cat([tapped[i][j] for i in taps], dim=-1) @ fc.T
+        record("base.hidden_states", got["hidden_states"], hidden)
+        features.append(hidden)
+    record("base.kv_cache", graph_k, layer0[0][:, :, :graph_k.shape[2]])
+    return features

@@ -231,6 +231,35 @@ def base_features(base: "CausalLM", input_ids, position_ids, attention_bias, cac
     return base.lm_head(hidden).float(), torch.cat([taken[i] for i in taps], dim=-1)
 
 
+@torch.no_grad()
+def forward_layers(cfg: ModelConfig, layer_weights, xs: list[list[torch.Tensor]], steps: list[list[tuple]],
+                   n_positions: int, before=None) -> list[list[torch.Tensor]]:
+    """The base's decoder layers one at a time, for passes that must not hold a whole model (the
+    exporter's parity check and calibration): layer i is built from `layer_weights(i)` (its tensors
+    named as inside the layer), every step of every sequence goes through it, then it is dropped.
+
+    xs[s][j] is step j's input [1, T, H] of sequence s, steps[s][j] its (position_ids [1, T],
+    attention bias, start); one sequence's steps share a KV cache. `before(i, layer, xs, caches)`
+    runs before layer i, with that layer's (k, v) cache of each sequence, which it fills. Returns
+    the last layer's outputs, in the shape of xs."""
+    rotary = Rotary(cfg, n_positions)
+    lengths = [max(start + p.shape[1] for p, _, start in seq) for seq in steps]
+    shape = (1, cfg.num_kv_heads)
+    for i in range(cfg.num_layers):
+        with torch.device("meta"):  # no random initialisation of weights about to be replaced
+            layer = DecoderLayer(cfg).eval()
+        # not strict: old .bin checkpoints also carry rotary buffers, which the layer computes itself
+        missing = layer.load_state_dict(layer_weights(i), strict=False, assign=True).missing_keys
+        if missing:
+            raise KeyError(f"layer {i} lacks {', '.join(missing)}")
+        caches = [(torch.zeros(*shape, n, cfg.head_dim), torch.zeros(*shape, n, cfg.head_dim)) for n in lengths]
+        if before is not None:
+            before(i, layer, xs, caches)
+        xs = [[layer(x, *rotary(p, x.dtype), bias, k, v, start) for x, (p, bias, start) in zip(seq_x, seq)]
+              for seq_x, seq, (k, v) in zip(xs, steps, caches)]
+    return xs
+
+
 def additive_bias(allowed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """The attention bias for a boolean mask of allowed (query, key) pairs, same shape: 0 where
     allowed, the dtype's minimum elsewhere."""

@@ -50,13 +50,20 @@ def embedded_gguf() -> Path:
     return path
 
 
+def weight_patterns(files: list[str]) -> list[str]:
+    """What to fetch of a hub repository listing `files`: config, tokenizer and the weights in one
+    format, safetensors where the repository has both (many hold the same weights twice)."""
+    weights = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"
+    return ["*.json", weights, "*.model", "*.jinja", "*.txt"]
+
+
 def download(repo_id: str) -> Path:
     """Fetch config, tokenizer and weights of a hub repository (only where the hub is reachable)."""
     try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo_id, allow_patterns=[
-            "*.json", "*.safetensors", "*.bin", "*.model", "*.jinja", "*.txt"],
-            ignore_patterns=["*.pth", "original/*"]))
+        from huggingface_hub import HfApi, snapshot_download
+        files = HfApi().list_repo_files(repo_id)
+        return Path(snapshot_download(repo_id, allow_patterns=weight_patterns(files),
+                                      ignore_patterns=["*.pth", "original/*"]))
     except Exception as e:
         raise WeightsError(f"could not download {repo_id!r} from the Hugging Face Hub "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModelError
+from .tensors import TensorFiles, tensor_shape
 
 
 class WeightsError(ValueError):
@@ -24,7 +24,7 @@ class WeightsError(ValueError):
 class Checkpoint:
     """A base model as loaded: config, HF-named state dict, and a tokenizer directory or object."""
     cfg: ModelConfig
-    state: dict[str, torch.Tensor]
+    state: Mapping  # name -> torch.Tensor; read lazily from disk for checkpoint directories
     tokenizer: object  # a transformers tokenizer, saved into the artifact as it is
     source: str
     head_cfg: ModelConfig | None = None
@@ -46,18 +46,30 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def _load_file(path: Path) -> dict[str, torch.Tensor]:
+_SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _file_entries(path: Path) -> dict[str, tuple[Path, tuple, int]]:
+    """name -> (path, shape, bytes per element) from a weight file's header, reading no tensor."""
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt") as f:
+                out = {}
+                for name in f.keys():
+                    s = f.get_slice(name)
+                    out[name] = (path, tuple(s.get_shape()), _SAFETENSORS_SIZES.get(s.get_dtype(), 4))
+                return out
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return {k: (path, tuple(v.shape), v.element_size()) for k, v in state.items()}
     except Exception as e:  # safetensors and torch raise many types for truncated/garbled files
         raise WeightsError(f"cannot read weights from {path}: {type(e).__name__}: {e}") from None
 
 
-def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory: safetensors first, then .bin, single or sharded."""
+def read_state_dict(directory: Path) -> TensorFiles:
+    """All tensors of a checkpoint directory, read lazily: safetensors first, then .bin, single or
+    sharded. Only the files' headers are read here."""
     for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = directory / index_name
@@ -65,15 +77,14 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise WeightsError(f"{index} has no weight_map")
-            shards = sorted(set(weight_map.values()))
-            state = {}
-            for shard in tqdm(shards, desc="loading weights", unit="shard", file=sys.stderr, disable=len(shards) < 2):
+            entries = {}
+            for shard in sorted(set(weight_map.values())):
                 if not (directory / shard).exists():
                     raise WeightsError(f"missing weight shard {shard} listed in {index}")
-                state.update(_load_file(directory / shard))
-            return state
+                entries.update(_file_entries(directory / shard))
+            return TensorFiles(entries, WeightsError)
         if (directory / single).exists():
-            return _load_file(directory / single)
+            return TensorFiles(_file_entries(directory / single), WeightsError)
     raise WeightsError(f"no weights in {directory} (expected model.safetensors or pytorch_model.bin)")
 
 
@@ -81,8 +92,8 @@ def _check_shapes(state: dict, expected: dict[str, tuple], what: str) -> None:
     for name, shape in expected.items():
         if name not in state:
             raise WeightsError(f"{what}: missing tensor {name!r}")
-        if tuple(state[name].shape) != shape:
-            raise WeightsError(f"{what}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {shape}")
+        if tensor_shape(state, name) != shape:
+            raise WeightsError(f"{what}: tensor {name!r} has shape {tensor_shape(state, name)}, expected {shape}")
 
 
 def _layer_shapes(cfg: ModelConfig, prefix: str, input_norm: bool, attn_in: int | None = None) -> dict[str, tuple]:
@@ -147,17 +158,11 @@ def load_hf_directory(directory: Path) -> tuple[ModelConfig, dict[str, torch.Ten
     return cfg, state
 
 
-def _dtype_keyword() -> str:
-    """transformers renamed from_pretrained's torch_dtype to dtype in 4.56 (the IPEX environment
-    pins 4.55)."""
-    import transformers
-    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
 def load_gguf(path: Path):
-    """Dequantize a GGUF file through transformers (needs the `gguf` and `accelerate` packages)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A GGUF file's config and tokenizer (through transformers, from its metadata) and its tensors,
+    dequantized one at a time on access (models/gguf_tensors.py); needs the `gguf` package."""
+    from transformers import AutoConfig, AutoTokenizer
+    from .gguf_tensors import GGUFTensors
     if not path.is_file():
         raise WeightsError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
@@ -165,15 +170,15 @@ def load_gguf(path: Path):
             raise WeightsError(f"{path} is not a GGUF file (bad magic)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     **{_dtype_keyword(): torch.float32})
+        hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        cfg = ModelConfig.from_hf(hf)
+        state = GGUFTensors(path, cfg.num_heads, cfg.num_kv_heads, WeightsError)
     except ImportError as e:
         raise WeightsError(f"loading GGUF needs extra packages: {e}") from None
+    except (UnsupportedModelError, WeightsError):
+        raise
     except Exception as e:
         raise WeightsError(f"cannot load GGUF {path}: {type(e).__name__}: {e}") from None
-    hf = model.config.to_dict()
-    cfg = ModelConfig.from_hf(hf)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
     check_base(cfg, state, f"GGUF {path.name}")
     return cfg, state, tokenizer
 

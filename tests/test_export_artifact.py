@@ -242,7 +242,7 @@ def fail(exc):
 
 FAILURE_POINTS = {
     "build_graph": ("export.onnx_export.build_draft", Boom("boom")),
-    "write_weights": ("export.onnx_graph.WeightStore.write", Boom("boom")),
+    "write_weights": ("export.onnx_graph.WeightStore.tensor", Boom("boom")),
     "save_tokenizer": ("export.onnx_export.save_tokenizer", Boom("boom")),
     "parity_check": ("export.verify.check_parity", Boom("boom")),
     "write_manifest": ("export.common.write_manifest", Boom("boom")),
@@ -368,12 +368,13 @@ def test_weights_file_holds_each_tensor_once(tiny_artifact, name, precision):
     assert len(names) == len(set(names))
 
 
-def test_weight_store_refuses_two_different_tensors_under_one_name():
-    store = WeightStore()
-    store.tensor("w", np.zeros((2, 2), np.float32))
-    store.tensor("w", np.zeros((2, 2), np.float32))  # the same tensor again: shared
-    with pytest.raises(ValueError, match="two different tensors named 'w'"):
-        store.tensor("w", np.ones((2, 2), np.float32))
+def test_weight_store_refuses_two_different_tensors_under_one_name(tmp_path):
+    with WeightStore(tmp_path / "w.bin") as store:
+        store.tensor("w", np.zeros((2, 2), np.float32))
+        store.tensor("w", np.zeros((2, 2), np.float32))  # the same tensor again: shared
+        with pytest.raises(ValueError, match="two different tensors named 'w'"):
+            store.tensor("w", np.ones((2, 2), np.float32))
+    assert (tmp_path / "w.bin").stat().st_size == 4096  # written once, padded to its alignment
 
 
 def test_failed_export_removes_the_directories_it_created(tmp_path):

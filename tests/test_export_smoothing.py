@@ -18,8 +18,8 @@ from runtime.session import ProviderError
 def smoothed(request):
     ckpt = load_checkpoint(request.param)
     state = {k: v.float().numpy() for k, v in ckpt.state.items()}
-    maxima = activation_maxima(ckpt.cfg, state, calibration_ids(ckpt.tokenizer), reply_tokens=8)
-    return ckpt, state, maxima, smooth(ckpt.cfg, state, maxima)
+    maxima = activation_maxima(ckpt.cfg, state, calibration_ids(ckpt.tokenizer))
+    return ckpt, state, maxima, dict(smooth(ckpt.cfg, state, maxima))
 
 
 def logits(cfg, state, ids):
@@ -42,7 +42,7 @@ def test_smoothing_keeps_the_function(smoothed):
 def test_smoothing_narrows_the_inputs_it_quantizes(smoothed):
     """What a row's one scale has to cover: the spread of channel maxima, before and after."""
     ckpt, state, maxima, new = smoothed
-    after = activation_maxima(ckpt.cfg, new, calibration_ids(ckpt.tokenizer), reply_tokens=8)
+    after = activation_maxima(ckpt.cfg, new, calibration_ids(ckpt.tokenizer))
     assert set(maxima) == {f"{i}.{m}" for i in range(ckpt.cfg.num_layers) for m in SMOOTHED}
     spread = {k: m.max() / np.median(m) for k, m in maxima.items()}
     assert all(after[k].max() / np.median(after[k]) < spread[k] for k in maxima)
