@@ -62,8 +62,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from export.artifact import sha256
-
+from .checksums import sha256
 from .config import ModelConfig
 from .llama import CausalLM, Eagle3Head, EagleHead, additive_bias, causal_bias, eagle3_layers
 from .train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,

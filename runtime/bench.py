@@ -33,12 +33,12 @@ from tqdm import tqdm
 
 import runtime
 from export.artifact import read_manifest
+from models.cpu import cpu_name
 
 from .generation import TREE_FIELDS, as_tree, tree_label
 from .peers import make_peers
 from .prompts import load_prompts
 from .tokenizer import ChatTokenizer
-from .cpu import cpu_name
 
 
 @dataclass

@@ -17,6 +17,7 @@ from export.torch_export import export_torch
 from models.registry import load_checkpoint
 from runtime import gpu_check
 from runtime.projection import project
+from runtime.backend import GraphSpec
 from runtime.session import ProviderError
 from runtime.torch_device import DeviceRows, DeviceSteps
 
@@ -129,10 +130,10 @@ def test_logits_and_hidden_states_stay_on_the_device(fp16_artifact, device_path_
 
 
 def test_compaction_moves_rows_on_the_device():
-    caches = [{"name": n, "shape": [1, 2, "max_length", w]}
+    caches = [{"name": n, "dtype": "float32", "shape": [1, 2, "max_length", w]}
               for n, w in (("past_key_0", 4), ("past_value_0", 5), ("past_key_1", 4), ("past_value_1", 5))]
-    spec = {"inputs": [{"name": "input_ids", "shape": [1, "T"]}, *caches], "outputs": []}
-    steps = DeviceSteps(torch, None, spec, "cpu", 32, 8, cuda_graphs=False)
+    spec = {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": [1, "T"]}, *caches], "outputs": []}
+    steps = DeviceSteps(torch, None, GraphSpec.parse(spec), "cpu", 32, 8, cuda_graphs=False)
     assert len(steps.stores) == 2 and len(steps.caches) == 4
     for i, c in enumerate(steps.caches):
         c.copy_(torch.arange(32.0).view(1, 1, 32, 1).expand_as(c) + 100 * i)

@@ -18,11 +18,11 @@ from eagle2 import tree_from_parents
 from export.onnx_export import export_onnx
 from export.onnx_graph import EXACT_KEY_BLOCK, INT8_BLOCK
 from export.torch_export import IPEX_BF16_NEEDS, ipex_bf16_supported
+from models.cpu import cpu_flags, int8_dot_products
 from models.llama import CausalLM, EagleHead
 from models.registry import load_checkpoint
 from models.tiny import randomize
 from models.weights import Checkpoint
-from runtime.cpu import cpu_flags, int8_dot_products
 
 # Step sizes: plain decoding (1), the CPU trees, EAGLE-2's 60-token tree, and a prefill chunk.
 STEP_SIZES = (1, 2, 3, 4, 5, 8, 13, 16, 31, 60, 128)

@@ -15,11 +15,11 @@ import runtime
 from export.cli import main as export_main
 from export.common import ExportError
 from export.torch_export import IPEX_BF16_NEEDS, IPEX_BF16_TREE, export_torch, ipex_bf16_supported
-from export.torch_graph import KEY_BLOCK, value_product
+from models.attention import KEY_BLOCK, value_product
+from models.cpu import cpu_flags
 from models.registry import load_checkpoint
 from runtime.session import ProviderError
 from runtime.torch_session import CACHE_STEP
-from runtime.cpu import cpu_flags
 from runtime.gpu_check import sampling_checkpoint
 from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
 
@@ -120,7 +120,7 @@ def test_a_torch_artifacts_exactness_claim_is_measured_at_load(torch_artifact, t
     as measured (its one-token path rounds otherwise), and the exact attention exact."""
     gen = runtime.load(torch_artifact, provider="torch")
     e = gen.engine
-    assert gen.verify_exact == (e._torch_attention_in_order() and e.verification_matches_decoding())
+    assert gen.verify_exact == (e.base.attention_in_order(gen.manifest) and e.verification_matches_decoding())
     assert runtime.load(tiny_artifact("tiny-llama", "int8")).engine.verification_matches_decoding()
     fused = runtime.load(tiny_artifact("tiny-llama", "fp32", attention="fused"))
     assert not fused.verify_exact and not fused.engine.verification_matches_decoding()

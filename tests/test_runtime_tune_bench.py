@@ -11,6 +11,7 @@ from export.common import DEFAULT_TREE
 from runtime.generation import DEFAULT_LOOKUP, as_tree, tree_label
 from runtime import acceptance, bench, tune
 from runtime.prompts import load_prompts
+from runtime.tuning import read_tuning
 
 # The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
 DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")] + [DEFAULT_LOOKUP]
@@ -48,7 +49,7 @@ def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     else:
         assert gen.tree_defaults == result["tree"] and gen.speculative_default
     # Another provider was not tuned: it keeps the artifact's own default.
-    assert tune.read_tuning(artifact, "openvino") is None
+    assert read_tuning(artifact, "openvino") is None
     assert "chosen for provider cpu" in capsys.readouterr().out
 
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from export.artifact import sha256
+from models.checksums import sha256
 from models.config import ModelConfig
 from models.registry import SHIPPED_HEADS
 from models.weights import load_head
