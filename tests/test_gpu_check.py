@@ -1,4 +1,4 @@
-"""The torch backend's accelerator path (runtime/torch_device.py) and its GPU check (runtime/gpu_check.py).
+"""The torch backend's accelerator path (runtime/torch_device.py) and its GPU check (tools/gpu_check.py).
 
 On a CPU: the quick check passes; the traced graphs carry no device of their own; the device path,
 run here on the CPU with its CUDA graphs replaced by eager stand-ins of the same bucketing and
@@ -15,11 +15,11 @@ import runtime
 import runtime.torch_session as torch_session
 from export.torch_export import export_torch
 from models.registry import load_checkpoint
-from runtime import gpu_check
-from runtime.projection import project
 from runtime.backend import GraphSpec
 from runtime.session import ProviderError
 from runtime.torch_device import DeviceRows, DeviceSteps
+from tools import gpu_check
+from tools.projection import project
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
