@@ -42,6 +42,24 @@ def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     # every candidate is confirmed with and without the lookup branch
     assert sum("+" in c["tree"] for c in result["confirmed"]) == tune.CONFIRM
     assert set(result["verify_ms"]) == {str(n) for n in range(1, tune.MAX_TOTAL + 1)}
+    assert set(result["draft_ms"]) == {"1/1", "1/2", "2/1", "2/2"}
+    # The predictions: tau / cycle time, best first; a tree of n tokens lands 1 to n tokens a cycle.
+    predicted = result["predicted"]
+    assert [p["tokens_per_s"] for p in predicted] == sorted((p["tokens_per_s"] for p in predicted), reverse=True)
+    for p in predicted:
+        assert 1.0 <= p["tau"] <= p["total_tokens"] and p["depth"] in (1, 2) and p["top_k"] in (1, 2)
+        assert p["tokens_per_s"] == pytest.approx(1e3 * p["tau"] / p["cycle_ms"])
+        draft_ms = result["draft_ms"][f"{p['depth']}/{p['top_k']}"]
+        assert p["cycle_ms"] >= result["verify_ms"][str(p["total_tokens"])] + draft_ms  # plus the host's share
+    # The confirmed trees are the best predicted ones; the chosen one is the fastest confirmed, if it beats plain.
+    best = [tree_label(dict(total_tokens=p["total_tokens"], depth=p["depth"], top_k=p["top_k"], lookup=0))
+            for p in predicted[:tune.CONFIRM]]
+    assert [c["tree"] for c in result["confirmed"] if "+" not in c["tree"]] == best
+    for c in result["confirmed"]:
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / result["plain_tokens_per_s"])
+    fastest = max(result["confirmed"], key=lambda c: c["tokens_per_s"])
+    chosen = tree_label(result["tree"]) if result["tree"] else None
+    assert chosen == (fastest["tree"] if fastest["speedup"] > 1 else None)
     assert (artifact / "tune.png").stat().st_size > 0
     gen = runtime.load(artifact)
     assert result["machine"] in gen.describe_default()
@@ -62,8 +80,28 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [r["tree"] for r in data["rows"]] == [None, DEFAULT, [6, 3, 2, 0]]
     plain, *trees = data["rows"]
-    assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in trees)
+    assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in data["rows"])
+    # Greedy trees are lossless: every token as plain decoding's.
+    assert all(r["same_as_plain"] == 1.0 for r in data["rows"])
+    # tau is what the runtime's own generations of the same prompts give, every cycle counted.
+    gen = runtime.load(artifact)
+    gen.stop_ids.clear()  # the benchmark decodes exactly --max-new-tokens
+    ids = [gen.tokenizer.apply_chat_template([{"role": "user", "content": q.text}])
+           for q in load_prompts("builtin")[:2]]
+    for r in trees:
+        lengths = [n for p in ids for n in gen.generate(p, max_new_tokens=20, **as_tree(r["tree"])).accept_lengths]
+        assert r["tau"] == pytest.approx(sum(lengths) / len(lengths)), r["config"]
+    # Weight bytes per token: the base graph's, plus the draft's for each of a cycle's calls, over tau.
+    base = bench.graph_weight_bytes(artifact, gen.manifest["graphs"]["base"])
+    draft = bench.graph_weight_bytes(artifact, gen.manifest["graphs"]["draft"])
+    assert plain["weight_mb_per_token"] == pytest.approx(base / 1e6)
+    for r in trees:
+        depth = r["tree"][1]
+        assert r["weight_mb_per_token"] == pytest.approx((base + (depth + 1) * draft) / r["tau"] / 1e6)
+    for r in data["rows"]:
+        assert r["vs_plain"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        assert r["gb_per_s"] == pytest.approx(r["weight_mb_per_token"] * r["tokens_per_s"] / 1e3)
     # The artifact against itself: every greedy token agrees.
     assert data["quality"][str(artifact)]["top1_agreement"] == 1.0
     assert "| configuration | tok/s |" in (tmp_path / "bench.md").read_text()
