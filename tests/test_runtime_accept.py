@@ -14,7 +14,7 @@ from export.onnx_export import export_onnx
 from models.llama import CausalLM, KVCache, causal_bias
 from models.registry import load_checkpoint
 from models.tiny import tiny_checkpoint
-from models.train_head import main as train_head
+from training.train_head import main as train_head
 
 REPLY = "the cat sat on the mat and the dog ran to the red house. "
 
