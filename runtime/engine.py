@@ -18,6 +18,7 @@ import numpy as np
 
 from eagle2 import DraftTree, tree_from_parents, write_attention_bias
 
+from .backend import Session
 # open_session is also export/verify.py's way to run an artifact's graphs in its parity check.
 from .providers import check_target, open_session
 
@@ -38,11 +39,11 @@ class Engine:
         self.masked = np.finfo(self.io_dtype).min
         steps = max(PREFILL_CHUNK, MAX_TREE_TOKENS)
         graphs = manifest["graphs"]
-        self.base = open_session(root, graphs["base"], provider, device, self.max_length, steps, 64, threads,
-                                 provider_options)
+        self.base: Session = open_session(root, graphs["base"], provider, device, self.max_length, steps, 64,
+                                          threads, provider_options)
         # The draft cache also holds the current round's tree: depth * top_k rows past the context.
         total = self.max_length + MAX_DEPTH * MAX_TOP_K
-        self.draft = None
+        self.draft: Session | None = None
         if "draft" in graphs:
             self.draft = open_session(root, graphs["draft"], provider, device, total, steps, MAX_TOP_K, threads,
                                       provider_options)

@@ -39,13 +39,13 @@ def import_torch(provider: str):
 
 
 def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: int) -> bool:
-    """Whether this CPU's GEMMs give a query row of the torch graphs' attention (export/torch_graph.py:
+    """Whether this CPU's GEMMs give a query row of the torch graphs' attention (models/attention.py:
     cache_product for q @ keys^T, value_product for probs @ values, in fp32) the same bits alone as
     inside a step of more tokens at a capacity one key block larger, with its last key moved to a
     later position of its block and masked zeros between: a tree node's ancestors sit at tree slots
     where plain decoding put them side by side, and a verify step may hold more capacity than a
-    plain step did at the same position. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
-    Zen 3, PyTorch's kernels group the key sum by position (in 192s for some row counts)."""
+    plain step did at the same position. True on Intel AVX-512 CPUs, false on AVX2-only ones
+    (docs/code-notes.md)."""
     with warnings.catch_warnings():
         # IPEX's JIT fusion pass announces its deprecation on the first scripted call; nothing to act on.
         warnings.filterwarnings("ignore", message="JIT pass will be deprecated")
