@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The torch backend on a CUDA GPU, checked and measured in one run (runtime/gpu_check.py): exports
+# The torch backend on a CUDA GPU, checked and measured in one run (tools/gpu_check.py): exports
 # tiny-llama, tiny-qwen2 and random models of SmolLM2-135M's and Llama-3.2-1B's shapes (fp16,
 # --target torch), checks EAGLE-2 greedy against plain greedy and speculative sampling's distribution
 # on the GPU, with CUDA graphs and without, and measures verify cost by tree size and draft cost by

@@ -9,11 +9,12 @@ Layout:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
+
+from models.checksums import sha256
 
 FORMAT = "eagle2-onnx"
 FORMAT_VERSION = 1
@@ -22,14 +23,6 @@ MANIFEST = "manifest.json"
 
 class ArtifactError(ValueError):
     """A missing, broken or incompatible artifact directory."""
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def checksums(root: Path) -> dict[str, str]:

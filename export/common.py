@@ -8,7 +8,7 @@ from pathlib import Path
 
 from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
-from runtime.cpu import cpu_flags
+from models.cpu import cpu_flags
 
 from .artifact import write_manifest
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from .train_data import DataError, encode, read_conversations, split
 
 COUNTS_FILE = "token_counts.npy"  # shipped next to a head: int64 [vocab]
-DEV_PERCENT = 2.0                 # the held-out split models.train_head uses
+DEV_PERCENT = 2.0                 # the held-out split training.train_head uses
 SEED = 0
 # Conversations counted when a head ships no counts: enough for a stable top-N (a few million
 # reply tokens), about a minute of tokenizing.

@@ -129,12 +129,21 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg, n_positions or cfg.max_position_embeddings)
 
     def forward(self, input_ids, position_ids, attention_bias, cache: KVCache, start: int):
+        hidden, _ = self.hidden_states(input_ids, position_ids, attention_bias, cache, start)
+        return self.lm_head(hidden).float(), hidden
+
+    def hidden_states(self, input_ids, position_ids, attention_bias, cache: KVCache, start: int,
+                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The post-final-norm hidden states, and the inputs of the layers `taps` (EAGLE-3's
+        features, eagle3_layers), without the lm_head."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
+        taken = {}
         for i, layer in enumerate(self.model.layers):
+            if i in taps:
+                taken[i] = x
             x = layer(x, cos, sin, attention_bias, cache.k[i], cache.v[i], start)
-        hidden = self.model.norm(x)
-        return self.lm_head(hidden).float(), hidden
+        return self.model.norm(x), [taken[i] for i in taps]
 
 
 class EagleHead(nn.Module):
@@ -219,16 +228,8 @@ class Eagle3Head(nn.Module):
 
 def base_features(base: "CausalLM", input_ids, position_ids, attention_bias, cache: KVCache, start: int):
     """(logits, EAGLE-3 feature input [B, T, 3H]: the inputs of eagle3_layers, concatenated)."""
-    x = base.model.embed_tokens(input_ids)
-    cos, sin = base.rotary(position_ids, x.dtype)
-    taps = eagle3_layers(base.cfg)
-    taken = {}
-    for i, layer in enumerate(base.model.layers):
-        if i in taps:
-            taken[i] = x
-        x = layer(x, cos, sin, attention_bias, cache.k[i], cache.v[i], start)
-    hidden = base.model.norm(x)
-    return base.lm_head(hidden).float(), torch.cat([taken[i] for i in taps], dim=-1)
+    hidden, taken = base.hidden_states(input_ids, position_ids, attention_bias, cache, start, eagle3_layers(base.cfg))
+    return base.lm_head(hidden).float(), torch.cat(taken, dim=-1)
 
 
 @torch.no_grad()

@@ -11,10 +11,9 @@ from export.artifact import read_manifest
 
 from .engine import Engine
 from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
-from .session import check_provider
-from .torch_session import TORCH_PROVIDERS
+from .providers import check_provider
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
-from .tune import read_tuning
+from .tuning import read_tuning
 
 
 @dataclass
@@ -35,8 +34,7 @@ class Generator:
 
     def __init__(self, path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
                  verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None):
-        if provider not in TORCH_PROVIDERS:
-            check_provider(provider)
+        check_provider(provider)
         self.path = Path(path)
         self.manifest = read_manifest(self.path, verify_checksums)
         self.provider = provider

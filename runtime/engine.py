@@ -4,12 +4,10 @@ Each method is one graph call with its inputs written into preallocated buffers;
 loop in generation.py decides what to call. Nothing here allocates per step beyond tiny index
 arrays (the tree's own arrays and the attention-mask bookkeeping of eagle2).
 
-With a resident session (torch on an accelerator) the base's hidden states, the features and the
-draft's hidden states are device tensors that never leave the device; the same indexing serves both.
-
-The sessions are ONNX Runtime's (runtime/session.py) for ONNX artifacts and torch's
-(runtime/torch_session.py) for IPEX and torch artifacts: both take and return numpy arrays by name,
-so everything above them, from this class to the API, is shared.
+The sessions are whatever backend runs the provider (runtime/providers.py); the engine uses only
+their contract (runtime/backend.Session), so everything from this class to the API is shared. With a
+resident session (torch on an accelerator) the base's hidden states, the features and the draft's
+hidden states are device tensors that never leave the device; the same indexing serves both.
 """
 from __future__ import annotations
 
@@ -20,40 +18,15 @@ import numpy as np
 
 from eagle2 import DraftTree, tree_from_parents, write_attention_bias
 
-from .cpu import int8_dot_products
-from .session import CacheCompactor, GraphSession, ProviderError
-from .torch_session import TORCH_PROVIDERS, TorchSession
+from .backend import Session
+# open_session is also export/verify.py's way to run an artifact's graphs in its parity check.
+from .providers import check_target, open_session
 
 PREFILL_CHUNK = 128
 MAX_TREE_TOKENS = 128   # largest verify step (total_tokens)
 MAX_TOP_K = 16          # largest draft branching (top_k)
 MAX_LOOKUP = 16        # longest prompt-lookup branch
 MAX_DEPTH = 16          # deepest draft expansion (depth); nodes sit at most depth+1 past the context
-
-
-def check_target(manifest: dict, provider: str) -> None:
-    """ONNX artifacts run on ONNX Runtime's providers, IPEX and torch artifacts on their own."""
-    target = manifest.get("target", "onnx")
-    if target == "onnx" and provider in TORCH_PROVIDERS:
-        raise ProviderError(f"provider {provider!r} runs torch artifacts (python -m export MODEL --target "
-                            f"{provider}); this artifact is ONNX: use cpu, cuda or openvino")
-    if target != "onnx" and provider != target:
-        raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
-    if manifest.get("precision") == "w8a8" and provider != "cuda" and not int8_dot_products():
-        # Without VNNI, MLAS multiplies uint8 by int8 with vpmaddubsw, whose 16-bit pair sums saturate
-        # on w8a8's full-range operands: the products would be wrong, not merely rounded. The openvino
-        # provider is held to the same rule: its kernels were not checked on such CPUs.
-        raise ProviderError("w8a8 artifacts need a CPU with 8-bit dot products (AVX512-VNNI, AVX-VNNI or AMX); "
-                            "this one has none: export --precision int8 instead")
-
-
-def open_session(root: Path, spec: dict, provider: str, device: str, cache_length: int, steps: int, max_k: int,
-                 threads: int | None, provider_options: dict | None = None):
-    if provider in TORCH_PROVIDERS:
-        return TorchSession(str(root / spec["file"]), spec, provider, device, cache_length, steps, max_k, threads,
-                            provider_options)
-    return GraphSession(str(root / spec["file"]), spec, provider, cache_length, steps, max_k, threads,
-                        provider_options)
 
 
 class Engine:
@@ -66,12 +39,11 @@ class Engine:
         self.masked = np.finfo(self.io_dtype).min
         steps = max(PREFILL_CHUNK, MAX_TREE_TOKENS)
         graphs = manifest["graphs"]
-        self.base = open_session(root, graphs["base"], provider, device, self.max_length, steps, 64, threads,
-                                 provider_options)
-        self.compactor = self.base if provider in TORCH_PROVIDERS else CacheCompactor(self.base, provider)
+        self.base: Session = open_session(root, graphs["base"], provider, device, self.max_length, steps, 64,
+                                          threads, provider_options)
         # The draft cache also holds the current round's tree: depth * top_k rows past the context.
         total = self.max_length + MAX_DEPTH * MAX_TOP_K
-        self.draft = None
+        self.draft: Session | None = None
         if "draft" in graphs:
             self.draft = open_session(root, graphs["draft"], provider, device, total, steps, MAX_TOP_K, threads,
                                       provider_options)
@@ -81,34 +53,20 @@ class Engine:
         self.rows = np.arange(steps, dtype=np.int64)
         self.bias = np.zeros(steps * total, self.io_dtype)
         self.causal = np.triu(np.full((steps, steps), self.masked, self.io_dtype), k=1)
-        self.resident = getattr(self.base, "resident", False)
+        self.resident = self.base.resident
         features = np.zeros((self.max_length + 1, hidden), self.io_dtype)  # base hidden rows not yet drafted on
-        self.features = self.base.device_array(features) if self.resident else features
+        self.features = self.base.device_array(features)
         self.top_k = np.zeros(1, np.int64)
         self.timings = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
         # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py,
-        # export/torch_graph.py); with fused attention no placement is exact, so there is nothing to keep.
+        # models/attention.py); with fused attention no placement is exact, so there is nothing to keep.
         self.key_block = manifest.get("exact_key_block") or self.max_length + 1
         # Fewest rows a verify step runs (export/onnx_export.py): kernels whose one-row path rounds
         # otherwise than their multi-row one get every step, plain decoding included, as multi-row.
         self.min_rows = manifest.get("verify_min_rows", 1)
-        self.verify_exact = manifest.get("verify_exact", False)
-        if self.verify_exact and provider in TORCH_PROVIDERS and not self.resident:
-            # The torch graphs' exactness rests on the CPU's GEMM kernels, measured here: PyTorch's
-            # fp32 ones sum an attention row's keys in an order that depends on where they sit on
-            # AVX2 CPUs, and IPEX's int8 ones take another path for one row than for several. Torch
-            # artifacts without key blocks (exported before them) sum by capacity: never exact.
-            self.verify_exact = (manifest.get("exact_key_block") is not None and self._torch_attention_in_order()
-                                 and self.verification_matches_decoding())
-
-    def _torch_attention_in_order(self) -> bool:
-        from export.torch_graph import query_rows
-        from models.config import ModelConfig
-
-        from .torch_session import attention_sums_in_order
-        cfg = ModelConfig.from_dict(self.manifest["model"]["config"])
-        return attention_sums_in_order(self.base.torch, cfg.num_kv_heads, query_rows(cfg), cfg.head_dim + 1,
-                                       self.key_block)
+        # The manifest's claim, kept where the backend finds this machine keeps it.
+        self.verify_exact = (manifest.get("verify_exact", False)
+                             and self.base.keeps_exactness(manifest, self.verification_matches_decoding))
 
     def verification_matches_decoding(self) -> bool:
         """Whether the nodes of a small branching tree, verified in one step, get the bits their
@@ -195,7 +153,7 @@ class Engine:
         else:
             np.take(self._last_hidden, accepted, axis=0, out=self.features[context:context + n])
         if n > 1 and not np.array_equal(accepted, self.rows[:n]):
-            self.compactor.move(context + accepted[1:], context + 1)
+            self.base.move(context + accepted[1:], context + 1)
 
     # --- draft ------------------------------------------------------------------------------
     def draft_context(self, next_tokens: np.ndarray, start: int, top_k: int):

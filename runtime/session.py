@@ -1,4 +1,4 @@
-"""ONNX Runtime sessions over preallocated buffers.
+"""ONNX Runtime sessions over preallocated buffers: the backend of ONNX artifacts (runtime/backend.py).
 
 Each graph's KV cache is allocated once (for the session's cache length) and bound as both the
 past_* input and the present_* output, so the graph writes new K/V in place. Step inputs and
@@ -13,6 +13,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from models.cpu import int8_dot_products
+
+from .backend import GraphSpec, ProviderError
 from .caches import HostCaches
 
 PROVIDERS = {
@@ -21,11 +24,10 @@ PROVIDERS = {
     "openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"],
 }
 DEVICE = {"cpu": "cpu", "cuda": "cuda", "openvino": "cpu"}
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
 # Capacity step of the exact attention's host caches. Its matmuls read every position of the capacity,
-# masked or not: at 256, the masked tail cost SmolLM2-135M int8 4-8 % of its tokens/s against 64
-# (MT-bench, measured). MLAS's sums of a row do not depend on the capacity (zeros past the positions
-# in use add exact zeros), so neither does exactness; tests/test_runtime_bitwise.py crosses steps.
+# masked or not, so a small step reads less (docs/code-notes.md). MLAS's sums of a row do not depend
+# on the capacity (zeros past the positions in use add exact zeros), so neither does exactness;
+# tests/test_runtime_bitwise.py crosses steps.
 CACHE_STEP = 64
 
 
@@ -34,10 +36,6 @@ def _address(arr: np.ndarray) -> int:
     if not arr.flags.c_contiguous:
         raise ValueError("step buffers must be C-contiguous")
     return arr.__array_interface__["data"][0]
-
-
-class ProviderError(ValueError):
-    """The requested execution provider is unknown or not installed."""
 
 
 def check_provider(provider: str) -> None:
@@ -58,8 +56,8 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     if threads:
         so.intra_op_num_threads = threads
     # The base and draft sessions run strictly one after the other, each with its own thread pool.
-    # A pool left spinning after its run takes the cores the next session needs: on 2 cores that
-    # made EAGLE-2's verify step 1.9x and each draft call 1.6x slower. Spin within a run only.
+    # A pool left spinning after its run takes the cores the next session needs (docs/code-notes.md):
+    # spin within a run only.
     so.add_session_config_entry("session.force_spinning_stop", "1")
     so.log_severity_level = 3
     return so
@@ -89,11 +87,35 @@ def create_session(path: str, provider: str, threads: int | None, options: dict 
 class GraphSession:
     """One graph (base or draft) with its in-place KV cache and preallocated step buffers."""
 
+    resident = False  # outputs are host arrays
+
+    @staticmethod
+    def check_artifact(manifest: dict, provider: str) -> None:
+        """ONNX Runtime runs ONNX artifacts, w8a8 ones only where its int8 products are right."""
+        target = manifest.get("target", "onnx")
+        if target != "onnx":
+            raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+        if manifest.get("precision") == "w8a8" and provider != "cuda" and not int8_dot_products():
+            # Without VNNI, MLAS multiplies uint8 by int8 with vpmaddubsw, whose 16-bit pair sums saturate
+            # on w8a8's full-range operands: the products would be wrong, not merely rounded. The openvino
+            # provider is held to the same rule: its kernels were not checked on such CPUs.
+            raise ProviderError("w8a8 artifacts need a CPU with 8-bit dot products (AVX512-VNNI, AVX-VNNI or AMX); "
+                                "this one has none: export --precision int8 instead")
+
+    @classmethod
+    def open(cls, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int, max_k: int,
+             threads: int | None, options: dict | None) -> GraphSession:
+        """The backends' common constructor (runtime/providers.py): ONNX Runtime's providers place the
+        graph themselves, so `device` is not theirs (OpenVINO's device is one of its options)."""
+        return cls(path, spec, provider, cache_length, max_tokens, max_k, threads, options)
+
     def __init__(self, path: str, spec: dict, provider: str, cache_length: int, max_tokens: int,
                  max_k: int = 64, threads: int | None = None, provider_options: dict | None = None):
         check_provider(provider)
+        self.provider = provider
         self.device = DEVICE[provider]
-        self.grows = any(i["name"] == "cache_position" for i in spec["inputs"])
+        io = GraphSpec.parse(spec)
+        self.grows = "cache_position" in io.inputs
         if self.grows and provider == "openvino":
             raise ProviderError("this artifact's exact attention writes its cache with TensorScatter (ONNX opset 24), "
                                 "which onnxruntime-openvino lacks: export with --attention fused for OpenVINO")
@@ -102,32 +124,26 @@ class GraphSession:
         self.cache_length = cache_length
         self.max_tokens = max_tokens
         self.binding = self.session.io_binding()
-        past = [i for i in spec["inputs"] if i["name"].startswith("past_")]
-        self.cache_names = [i["name"] for i in past]
-        self.cache_dtype = NP_DTYPES[past[0]["dtype"]]
-        dims = [(i["shape"][1], i["shape"][3]) for i in past]  # [1, heads, length, width]
+        self.cache_names, self.cache_dtype, dims = io.cache_names, io.cache_dtype, io.cache_dims
         # A graph with exact attention (input cache_position) attends over its whole cache: host caches
         # that grow (runtime/caches.py). Others get caches of cache_length where the provider keeps them.
         if self.grows:
             if self.device != "cpu":
                 raise ProviderError("graphs with exact attention run on host memory (provider cpu); "
                                     "export with --attention fused for this provider")
-            bias_dtype = NP_DTYPES[next(i["dtype"] for i in spec["inputs"] if i["name"] == "attention_bias")]
-            self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, bias_dtype, CACHE_STEP)
+            self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, io.dtypes["attention_bias"],
+                                    CACHE_STEP)
             self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
         else:
             self._bind([ort.OrtValue.ortvalue_from_shape_and_type([1, h, cache_length, w], self.cache_dtype,
                                                                   self.device, 0) for h, w in dims])
         # One buffer per non-cache output, big enough for max_tokens rows; views of it are returned.
         self.outputs: dict[str, np.ndarray] = {}
-        self._out_shapes: dict[str, list] = {}
-        for o in spec["outputs"]:
-            if o["name"].startswith("present_"):
-                continue
-            self._out_shapes[o["name"]] = o["shape"]
-            self.outputs[o["name"]] = np.empty(int(np.prod(self._dims(o["shape"], max_tokens, max_k))),
-                                               NP_DTYPES[o["dtype"]])
+        self._out_shapes = {name: io.shapes[name] for name in io.outputs}
+        for name, shape in self._out_shapes.items():
+            self.outputs[name] = np.empty(int(np.prod(self._dims(shape, max_tokens, max_k))), io.dtypes[name])
         self.max_k = max_k
+        self.compactor: CacheCompactor | None = None  # made at the first move
 
     def _bind(self, caches: list) -> None:
         """Bind every cache as both its past_* input and its present_* output."""
@@ -180,6 +196,20 @@ class GraphSession:
         if self.device != "cpu":
             raise RuntimeError("cache_arrays() is only available for host-resident caches")
         return self.store.arrays if self.grows else [v.numpy() for v in self.caches]
+
+    def move(self, source: np.ndarray, destination: int) -> None:
+        """Cache positions `source` to [destination, destination + n): the compaction of a cycle."""
+        if self.compactor is None:
+            self.compactor = CacheCompactor(self, self.provider)
+        self.compactor.move(source, destination)
+
+    def device_array(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def keeps_exactness(self, manifest: dict, matches_decoding) -> bool:
+        """The claim stands as exported: the graphs are built for MLAS's fixed summation order
+        (export/onnx_graph.py), with nothing left to measure at load."""
+        return True
 
 
 def compaction_graph(n_caches: int, dtype) -> bytes:

@@ -20,6 +20,8 @@ import warnings
 
 import numpy as np
 
+from .backend import GraphSpec
+
 WARMUP = 2  # eager runs before a capture (cuBLAS sets up its workspace on the capture stream)
 
 
@@ -57,16 +59,15 @@ class DeviceRows:
 class DeviceSteps:
     """The step graph's device buffers: caches, inputs padded to a bucket, and its CUDA graphs."""
 
-    def __init__(self, torch, module, spec: dict, device: str, cache_length: int, max_tokens: int,
+    def __init__(self, torch, module, io: GraphSpec, device: str, cache_length: int, max_tokens: int,
                  cuda_graphs: bool):
         self.torch, self.module, self.device = torch, module, device
         self.length, self.max_tokens = cache_length, max_tokens
-        self.input_names = [i["name"] for i in spec["inputs"] if not i["name"].startswith("past_")]
-        self.output_names = [o["name"] for o in spec["outputs"]]
+        self.input_names, self.output_names = io.inputs, io.outputs
         kind = torch.device(device).type
         self.synchronize = getattr(torch, kind).synchronize
         # Caches of one shape share a store, so that compaction moves every layer's rows at once.
-        dims = [(i["shape"][1], i["shape"][3]) for i in spec["inputs"] if i["name"].startswith("past_")]
+        dims = io.cache_dims
         self.stores = {d: torch.zeros(dims.count(d), d[0], cache_length, d[1], device=device)
                        for d in dict.fromkeys(dims)}
         taken = dict.fromkeys(self.stores, 0)
@@ -82,8 +83,7 @@ class DeviceSteps:
         self.host_moves = torch.zeros(2 * m, dtype=torch.int64, pin_memory=pin)
         self.moves = torch.zeros(2 * m, dtype=torch.int64, device=device)
         self.bias = torch.zeros(m * cache_length, device=device)
-        width = next((i["shape"][2] for i in spec["inputs"] if i["name"] == "features"), None)
-        self.features = None if width is None else torch.zeros(m, width, device=device)
+        self.features = torch.zeros(m, io.shapes["features"][2], device=device) if "features" in io.shapes else None
         self.graphs = {} if cuda_graphs else None
         self.graph_error: str | None = None
         self._stream = self._pool = None  # made at the first capture

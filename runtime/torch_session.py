@@ -1,5 +1,5 @@
-"""Torch sessions: the same step interface as runtime/session.GraphSession, over a TorchScript graph
-of a torch artifact (export/torch_export.py), run with IPEX or plain PyTorch on CPU, CUDA or XPU.
+"""Torch sessions: the backend (runtime/backend.py) of torch artifacts (export/torch_export.py), a
+TorchScript graph run with IPEX or plain PyTorch on CPU, CUDA or XPU.
 
 Inputs and outputs are numpy arrays at the boundary, so the decoding loop is the one of the ONNX
 path. On CPU the caches are host stores grown in place (runtime/caches.py) that the graph writes
@@ -13,14 +13,16 @@ import warnings
 
 import numpy as np
 
+from models.config import ModelConfig
+
+from .backend import GraphSpec, ProviderError
 from .caches import HostCaches
-from .session import NP_DTYPES, ProviderError
 from .torch_device import DeviceSteps
 
 TORCH_PROVIDERS = ("ipex", "torch")
 # Devices whose caches are host stores grown in place; on others every step's tensors stay on the device.
 HOST_DEVICES = ("cpu",)
-# Capacity step of host caches: a multiple of the graphs' key block (export/torch_graph.KEY_BLOCK), so
+# Capacity step of host caches: a multiple of the graphs' key block (models/attention.KEY_BLOCK), so
 # that every block of the attention's value sums is a whole one.
 CACHE_STEP = 256
 
@@ -37,13 +39,13 @@ def import_torch(provider: str):
 
 
 def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: int) -> bool:
-    """Whether this CPU's GEMMs give a query row of the torch graphs' attention (export/torch_graph.py:
+    """Whether this CPU's GEMMs give a query row of the torch graphs' attention (models/attention.py:
     cache_product for q @ keys^T, value_product for probs @ values, in fp32) the same bits alone as
     inside a step of more tokens at a capacity one key block larger, with its last key moved to a
     later position of its block and masked zeros between: a tree node's ancestors sit at tree slots
     where plain decoding put them side by side, and a verify step may hold more capacity than a
-    plain step did at the same position. Measured true on Intel AVX-512 CPUs; on an AVX2-only AMD
-    Zen 3, PyTorch's kernels group the key sum by position (in 192s for some row counts)."""
+    plain step did at the same position. True on Intel AVX-512 CPUs, false on AVX2-only ones
+    (docs/code-notes.md)."""
     with warnings.catch_warnings():
         # IPEX's JIT fusion pass announces its deprecation on the first scripted call; nothing to act on.
         warnings.filterwarnings("ignore", message="JIT pass will be deprecated")
@@ -51,7 +53,7 @@ def attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: 
 
 
 def _attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block: int) -> bool:
-    from export.torch_graph import cache_product, value_product
+    from models.attention import cache_product, value_product  # torch: only once a torch artifact loads
     g = torch.Generator().manual_seed(0)
     d, capacity = width - 1, 2 * block
     keys = torch.randn(1, kv_heads, capacity + block, d, generator=g)
@@ -79,6 +81,22 @@ def _attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block:
 
 
 class TorchSession:
+    @staticmethod
+    def check_artifact(manifest: dict, provider: str) -> None:
+        """Torch artifacts run on the provider they were exported for."""
+        target = manifest.get("target", "onnx")
+        if target == "onnx":
+            raise ProviderError(f"provider {provider!r} runs torch artifacts (python -m export MODEL --target "
+                                f"{provider}); this artifact is ONNX: use cpu, cuda or openvino")
+        if target != provider:
+            raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+
+    @classmethod
+    def open(cls, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int, max_k: int,
+             threads: int | None, options: dict | None) -> TorchSession:
+        """The backends' common constructor (runtime/providers.py)."""
+        return cls(path, spec, provider, device, cache_length, max_tokens, max_k, threads, options)
+
     def __init__(self, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int,
                  max_k: int = 64, threads: int | None = None, options: dict | None = None):
         """options: {"cuda_graphs": bool}, on by default for CUDA devices (runtime/torch_device.py)."""
@@ -99,19 +117,15 @@ class TorchSession:
         except RuntimeError as e:
             raise ProviderError(f"cannot load {path} on {device}: {str(e).splitlines()[0]}") from None
         self.spec, self.cache_length, self.max_tokens, self.max_k = spec, cache_length, max_tokens, max_k
-        past = [i for i in spec["inputs"] if i["name"].startswith("past_")]
-        self.cache_names = [i["name"] for i in past]
-        self.cache_dtype = NP_DTYPES[past[0]["dtype"]]
-        self.input_names = [i["name"] for i in spec["inputs"] if not i["name"].startswith("past_")]
-        self.output_names = [o["name"] for o in spec["outputs"]]
+        self.io = io = GraphSpec.parse(spec)
+        self.cache_names, self.cache_dtype = io.cache_names, io.cache_dtype
         self.grows = device in HOST_DEVICES
         self.resident = not self.grows
         if self.grows:
-            dims = [(i["shape"][1], i["shape"][3]) for i in past]
-            self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, np.float32, CACHE_STEP)
+            self.store = HostCaches(io.cache_dims, self.cache_dtype, cache_length, max_tokens, np.float32, CACHE_STEP)
             self.caches = [torch.from_numpy(a) for a in self.store.arrays]
         else:
-            self.steps = DeviceSteps(torch, self.module, spec, device, cache_length, max_tokens,
+            self.steps = DeviceSteps(torch, self.module, io, device, cache_length, max_tokens,
                                      on_cuda if cuda_graphs is None else cuda_graphs)
             self.caches = self.steps.caches
 
@@ -138,9 +152,9 @@ class TorchSession:
         # new step size unfused and later ones fused, which round differently (measured); the graph
         # was optimized once, when frozen at export.
         with torch.inference_mode(), torch.jit.optimized_execution(False):
-            outs = self.module(*(args[n] for n in self.input_names), *self.caches)
+            outs = self.module(*(args[n] for n in self.io.inputs), *self.caches)
         views = {}
-        for name, value in zip(self.output_names, outs):
+        for name, value in zip(self.io.outputs, outs):
             if name.startswith("topk_"):
                 value = value[..., :k]  # the graph returns its MAX_K best
             views[name] = value.cpu().numpy()
@@ -152,8 +166,24 @@ class TorchSession:
         return self.store.arrays
 
     def device_array(self, a: np.ndarray):
-        """A device copy of a host array, for buffers the engine keeps next to a resident session's."""
-        return self.torch.from_numpy(a).to(self.device)
+        return self.torch.from_numpy(a).to(self.device) if self.resident else a
+
+    def keeps_exactness(self, manifest: dict, matches_decoding) -> bool:
+        """On the CPU the graphs' exactness rests on the GEMM kernels, measured here: the attention's
+        (attention_in_order) and, through a branching tree, the linear layers' (IPEX's int8 ones take
+        another path for one row than for several). On an accelerator the claim stands as exported."""
+        return self.resident or (self.attention_in_order(manifest) and matches_decoding())
+
+    def attention_in_order(self, manifest: dict) -> bool:
+        """Whether this CPU sums the artifact's attention keys in a fixed order (attention_sums_in_order;
+        PyTorch's fp32 GEMMs do not on AVX2 CPUs). Artifacts without key blocks (exported before them)
+        sum by capacity: never."""
+        block = manifest.get("exact_key_block")
+        if block is None:
+            return False
+        from models.attention import query_rows
+        cfg = ModelConfig.from_dict(manifest["model"]["config"])
+        return attention_sums_in_order(self.torch, cfg.num_kv_heads, query_rows(cfg), cfg.head_dim + 1, block)
 
     def move(self, source: np.ndarray, destination: int) -> None:
         """Cache positions `source` to [destination, destination + n): the compaction of a cycle."""

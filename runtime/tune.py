@@ -22,25 +22,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from eagle2 import tree_from_parents
+from models.cpu import cpu_name
 
-from .cpu import cpu_name
 from .generation import DEFAULT_LOOKUP, Decoder, as_tree, tree_label
 from .prompts import load_prompts
+from .tuning import TUNING_FILE
 
-TUNING_FILE = "tuning.json"
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
-
-
-def read_tuning(artifact: Path, provider: str) -> dict | None:
-    """The tuned choice for `provider`, or None when the artifact was not tuned for it."""
-    path = Path(artifact) / TUNING_FILE
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get(provider)
 
 
 class RecordingDecoder(Decoder):
@@ -129,7 +120,9 @@ def measured_speed(gen, prompts, trees, max_new) -> dict:
 def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
     configs = [(d, k) for d in depths for k in top_ks]
     runs = {}
-    for d, k in tqdm(configs, desc="acceptance by (depth, top_k)", file=sys.stderr):
+    for i, (d, k) in enumerate(configs):
+        # Progress without tqdm, which the runtime's core install lacks.
+        print(f"acceptance by (depth, top_k): {d}/{k}, {i + 1} of {len(configs)}", file=sys.stderr)
         runs[(d, k)] = acceptance(gen, prompts, d, k, max_new)
     context = int(np.mean([len(p) for p in prompts])) + max_new // 2
     verify = verify_costs(gen, list(range(1, MAX_TOTAL + 1)), context)

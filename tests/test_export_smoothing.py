@@ -8,9 +8,9 @@ import runtime
 from export.artifact import read_manifest
 from export.onnx_export import export_onnx
 from export.smoothing import SMOOTHED, activation_maxima, calibration_ids, smooth
+from models.cpu import int8_dot_products
 from models.llama import CausalLM, KVCache, causal_bias
 from models.registry import load_checkpoint
-from runtime.cpu import int8_dot_products
 from runtime.session import ProviderError
 
 
@@ -57,7 +57,7 @@ def test_w8a8_artifact_records_its_smoothing(tiny_artifact):
 
 def test_w8a8_is_refused_without_int8_dot_products(tmp_path, monkeypatch):
     export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "w8a8", max_length=64, verify=False, log=lambda m: None)
-    monkeypatch.setattr("runtime.cpu.cpu_flags", lambda: {"sse4_2", "avx2", "fma"})
+    monkeypatch.setattr("models.cpu.cpu_flags", lambda: {"sse4_2", "avx2", "fma"})
     with pytest.raises(ProviderError, match="AVX512-VNNI, AVX-VNNI or AMX"):
         runtime.load(tmp_path / "a")
 

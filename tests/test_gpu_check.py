@@ -1,4 +1,4 @@
-"""The torch backend's accelerator path (runtime/torch_device.py) and its GPU check (runtime/gpu_check.py).
+"""The torch backend's accelerator path (runtime/torch_device.py) and its GPU check (tools/gpu_check.py).
 
 On a CPU: the quick check passes; the traced graphs carry no device of their own; the device path,
 run here on the CPU with its CUDA graphs replaced by eager stand-ins of the same bucketing and
@@ -15,10 +15,11 @@ import runtime
 import runtime.torch_session as torch_session
 from export.torch_export import export_torch
 from models.registry import load_checkpoint
-from runtime import gpu_check
-from runtime.projection import project
+from runtime.backend import GraphSpec
 from runtime.session import ProviderError
 from runtime.torch_device import DeviceRows, DeviceSteps
+from tools import gpu_check
+from tools.projection import project
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
@@ -129,10 +130,10 @@ def test_logits_and_hidden_states_stay_on_the_device(fp16_artifact, device_path_
 
 
 def test_compaction_moves_rows_on_the_device():
-    caches = [{"name": n, "shape": [1, 2, "max_length", w]}
+    caches = [{"name": n, "dtype": "float32", "shape": [1, 2, "max_length", w]}
               for n, w in (("past_key_0", 4), ("past_value_0", 5), ("past_key_1", 4), ("past_value_1", 5))]
-    spec = {"inputs": [{"name": "input_ids", "shape": [1, "T"]}, *caches], "outputs": []}
-    steps = DeviceSteps(torch, None, spec, "cpu", 32, 8, cuda_graphs=False)
+    spec = {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": [1, "T"]}, *caches], "outputs": []}
+    steps = DeviceSteps(torch, None, GraphSpec.parse(spec), "cpu", 32, 8, cuda_graphs=False)
     assert len(steps.stores) == 2 and len(steps.caches) == 4
     for i, c in enumerate(steps.caches):
         c.copy_(torch.arange(32.0).view(1, 1, 32, 1).expand_as(c) + 100 * i)

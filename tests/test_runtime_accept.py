@@ -14,7 +14,7 @@ from export.onnx_export import export_onnx
 from models.llama import CausalLM, KVCache, causal_bias
 from models.registry import load_checkpoint
 from models.tiny import tiny_checkpoint
-from models.train_head import main as train_head
+from training.train_head import main as train_head
 
 REPLY = "the cat sat on the mat and the dog ran to the red house. "
 
@@ -100,12 +100,12 @@ def test_device_compaction_graph_is_lossless_too(agreeing):
     against the same buffers, must give the same tokens as the host (numpy) path."""
     from runtime.session import CacheCompactor
     gen, convs = agreeing
-    host = gen.engine.compactor
-    gen.engine.compactor = CacheCompactor(gen.engine.base, "cpu", use_graph=True)
+    host = gen.engine.base.compactor
+    gen.engine.base.compactor = CacheCompactor(gen.engine.base, "cpu", use_graph=True)
     try:
         for conv in convs[:4]:
             spec = gen.chat(conv[:1], max_new_tokens=60)
             assert spec.token_ids == gen.chat(conv[:1], max_new_tokens=60, speculative=False).token_ids
             assert spec.mean_accept_length > 1.5
     finally:
-        gen.engine.compactor = host
+        gen.engine.base.compactor = host

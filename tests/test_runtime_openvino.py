@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 
 import runtime
+from models.cpu import cpu_flags
 from runtime.session import ProviderError
-from runtime.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif("OpenVINOExecutionProvider" not in ort.get_available_providers(),
                                 reason="OpenVINO EP not in this onnxruntime build (ci/test_openvino.sh runs this)")

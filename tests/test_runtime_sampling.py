@@ -13,7 +13,7 @@ import runtime.generation as generation
 from eagle2 import process_logits
 from export.onnx_export import export_onnx
 from models.llama import CausalLM, KVCache, causal_bias
-from runtime.gpu_check import SAMPLING_PROMPT, SAMPLING_VOCAB, sampling_checkpoint
+from tools.gpu_check import SAMPLING_PROMPT, SAMPLING_VOCAB, sampling_checkpoint
 
 VOCAB, PROMPT = SAMPLING_VOCAB, SAMPLING_PROMPT
 DRAWS = 2000

@@ -9,8 +9,10 @@ import runtime
 from eagle2 import tree_from_parents
 from export.common import DEFAULT_TREE
 from runtime.generation import DEFAULT_LOOKUP, as_tree, tree_label
-from runtime import acceptance, bench, tune
+from runtime import tune
 from runtime.prompts import load_prompts
+from runtime.tuning import read_tuning
+from tools import acceptance, bench
 
 # The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
 DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")] + [DEFAULT_LOOKUP]
@@ -40,6 +42,24 @@ def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     # every candidate is confirmed with and without the lookup branch
     assert sum("+" in c["tree"] for c in result["confirmed"]) == tune.CONFIRM
     assert set(result["verify_ms"]) == {str(n) for n in range(1, tune.MAX_TOTAL + 1)}
+    assert set(result["draft_ms"]) == {"1/1", "1/2", "2/1", "2/2"}
+    # The predictions: tau / cycle time, best first; a tree of n tokens lands 1 to n tokens a cycle.
+    predicted = result["predicted"]
+    assert [p["tokens_per_s"] for p in predicted] == sorted((p["tokens_per_s"] for p in predicted), reverse=True)
+    for p in predicted:
+        assert 1.0 <= p["tau"] <= p["total_tokens"] and p["depth"] in (1, 2) and p["top_k"] in (1, 2)
+        assert p["tokens_per_s"] == pytest.approx(1e3 * p["tau"] / p["cycle_ms"])
+        draft_ms = result["draft_ms"][f"{p['depth']}/{p['top_k']}"]
+        assert p["cycle_ms"] >= result["verify_ms"][str(p["total_tokens"])] + draft_ms  # plus the host's share
+    # The confirmed trees are the best predicted ones; the chosen one is the fastest confirmed, if it beats plain.
+    best = [tree_label(dict(total_tokens=p["total_tokens"], depth=p["depth"], top_k=p["top_k"], lookup=0))
+            for p in predicted[:tune.CONFIRM]]
+    assert [c["tree"] for c in result["confirmed"] if "+" not in c["tree"]] == best
+    for c in result["confirmed"]:
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / result["plain_tokens_per_s"])
+    fastest = max(result["confirmed"], key=lambda c: c["tokens_per_s"])
+    chosen = tree_label(result["tree"]) if result["tree"] else None
+    assert chosen == (fastest["tree"] if fastest["speedup"] > 1 else None)
     assert (artifact / "tune.png").stat().st_size > 0
     gen = runtime.load(artifact)
     assert result["machine"] in gen.describe_default()
@@ -48,7 +68,7 @@ def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     else:
         assert gen.tree_defaults == result["tree"] and gen.speculative_default
     # Another provider was not tuned: it keeps the artifact's own default.
-    assert tune.read_tuning(artifact, "openvino") is None
+    assert read_tuning(artifact, "openvino") is None
     assert "chosen for provider cpu" in capsys.readouterr().out
 
 
@@ -60,8 +80,28 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [r["tree"] for r in data["rows"]] == [None, DEFAULT, [6, 3, 2, 0]]
     plain, *trees = data["rows"]
-    assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in trees)
+    assert plain["vs_plain"] == 1.0 and plain["tau"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in data["rows"])
+    # Greedy trees are lossless: every token as plain decoding's.
+    assert all(r["same_as_plain"] == 1.0 for r in data["rows"])
+    # tau is what the runtime's own generations of the same prompts give, every cycle counted.
+    gen = runtime.load(artifact)
+    gen.stop_ids.clear()  # the benchmark decodes exactly --max-new-tokens
+    ids = [gen.tokenizer.apply_chat_template([{"role": "user", "content": q.text}])
+           for q in load_prompts("builtin")[:2]]
+    for r in trees:
+        lengths = [n for p in ids for n in gen.generate(p, max_new_tokens=20, **as_tree(r["tree"])).accept_lengths]
+        assert r["tau"] == pytest.approx(sum(lengths) / len(lengths)), r["config"]
+    # Weight bytes per token: the base graph's, plus the draft's for each of a cycle's calls, over tau.
+    base = bench.graph_weight_bytes(artifact, gen.manifest["graphs"]["base"])
+    draft = bench.graph_weight_bytes(artifact, gen.manifest["graphs"]["draft"])
+    assert plain["weight_mb_per_token"] == pytest.approx(base / 1e6)
+    for r in trees:
+        depth = r["tree"][1]
+        assert r["weight_mb_per_token"] == pytest.approx((base + (depth + 1) * draft) / r["tau"] / 1e6)
+    for r in data["rows"]:
+        assert r["vs_plain"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        assert r["gb_per_s"] == pytest.approx(r["weight_mb_per_token"] * r["tokens_per_s"] / 1e3)
     # The artifact against itself: every greedy token agrees.
     assert data["quality"][str(artifact)]["top1_agreement"] == 1.0
     assert "| configuration | tok/s |" in (tmp_path / "bench.md").read_text()
@@ -69,7 +109,7 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
 
 
 def test_bench_runs_artifacts_of_a_worker_provider_in_a_worker(artifact, tmp_path, monkeypatch):
-    """--worker cpu=PYTHON: each cpu artifact decodes in its own runtime.bench_worker process (here
+    """--worker cpu=PYTHON: each cpu artifact decodes in its own tools.bench_worker process (here
     under this interpreter), prompt by prompt; the figures come back as from this process."""
     import shutil
     import sys
@@ -81,7 +121,7 @@ def test_bench_runs_artifacts_of_a_worker_provider_in_a_worker(artifact, tmp_pat
     out = tmp_path / "bench.json"
     assert bench.main([f"{artifact}@cpu", str(second), "--worker", f"cpu={sys.executable}", "--prompts", "builtin",
                        "--n", "2", "--max-new-tokens", "16", "--trees", "4/1/2+8", "--json", str(out)]) == 0
-    assert [a[:3] for a in started] == [[sys.executable, "-m", "runtime.bench_worker"]] * 2
+    assert [a[:3] for a in started] == [[sys.executable, "-m", "tools.bench_worker"]] * 2
     rows = json.loads(out.read_text())["rows"]
     assert [r["tree"] for r in rows] == [None, [4, 1, 2, 8]] * 2
     assert rows[1]["tau"] == rows[3]["tau"] >= 1.0 and rows[1]["verify_ms"] > 0
@@ -126,7 +166,7 @@ def test_peers_decode_the_requested_tokens(name, module, smollm2_artifact):
     import importlib.util
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"the {name} peer is not installed (bash ci/install_peers.sh)")
-    from runtime.peers import make_peers
+    from tools.peers import make_peers
     gen = runtime.load(smollm2_artifact)
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     for peer in make_peers([name], "smollm2-135m"):

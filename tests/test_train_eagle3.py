@@ -12,9 +12,9 @@ from export.onnx_export import export_onnx
 from models.llama import base_features, causal_bias, eagle3_layers
 from models.registry import load_checkpoint
 from models.tiny import tiny_checkpoint
-from models.train_head import base_hidden, build_base, main
-from models.unroll import new_cache
 from models.weights import load_head
+from training.train_head import base_hidden, build_base, main
+from training.unroll import new_cache
 from test_train_head import write_conversations
 
 

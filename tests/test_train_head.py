@@ -10,9 +10,9 @@ import torch
 from models.llama import EagleHead, causal_bias
 from models.tiny import randomize, tiny_checkpoint
 from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
-from models.train_head import base_hidden, build_base, generate_batch, head_config, main
-from models.unroll import new_cache, unrolled_forward
 from models.weights import head_tensor_shapes, load_head
+from training.train_head import base_hidden, build_base, generate_batch, head_config, main
+from training.unroll import new_cache, unrolled_forward
 
 WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
          "after one day").split()
@@ -107,7 +107,7 @@ def test_training_lowers_loss_writes_official_head_and_resumes(tmp_path):
 
 
 def test_schedule_and_batches():
-    from models.train_head import epoch_batches, lr_at
+    from training.train_head import epoch_batches, lr_at
     assert lr_at(0.0, 0.05, 1e-3) > 0
     assert lr_at(0.05, 0.05, 1e-3) == pytest.approx(1e-3)
     assert lr_at(1.0, 0.05, 1e-3) == pytest.approx(1e-4)
@@ -134,7 +134,7 @@ def test_time_budget_keeps_what_fits(tmp_path):
 def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path, monkeypatch):
     # Prompts are length-sorted within pools; the first run's 8 prompts fill one whole pool, so
     # the second run's 16 keep them first.
-    monkeypatch.setattr("models.train_head.DISTILL_POOL", 8)
+    monkeypatch.setattr("training.train_head.DISTILL_POOL", 8)
     data = write_conversations(tmp_path / "convs.jsonl", n=40)
     out = tmp_path / "head"
     common = ["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-len", "160",

@@ -78,16 +78,26 @@ def model_names(artifact, manifest: dict) -> tuple[str, set]:
 
 def create_app(pool: WorkerPool, artifact, api_key: str | None = None) -> FastAPI:
     """The app serving `pool` (whose Generators were loaded from `artifact`)."""
-    manifest = pool.generators[0].manifest
-    model_id, aliases = model_names(artifact, manifest)
-    metrics = Metrics(pool)
+    model_id, aliases = model_names(artifact, pool.generators[0].manifest)
     manifest_file = Path(artifact) / "manifest.json"
-    state = ServerState(pool, model_id, aliases, api_key, metrics,
+    state = ServerState(pool, model_id, aliases, api_key, Metrics(pool),
                         int(manifest_file.stat().st_mtime) if manifest_file.exists() else int(time.time()))
+    app = FastAPI(title="eagle2-deploy OpenAI-compatible server", lifespan=lifespan(state), docs_url=None,
+                  redoc_url=None)
+    app.state.server = state
+    app.add_middleware(CountRequests, metrics=state.metrics)
+    add_error_handlers(app)
+    add_routes(app, state)
+    return app
+
+
+def lifespan(state: ServerState):
+    pool = state.pool
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        log.info("serving model '%s' with %d worker(s), queue %d", model_id, len(pool.generators), pool.max_queue)
+    async def run(app):
+        log.info("serving model '%s' with %d worker(s), queue %d", state.model_id, len(pool.generators),
+                 pool.max_queue)
         yield
         # uvicorn has stopped accepting connections and waited for the open ones (or timed out).
         left = pool.cancel_all()
@@ -96,9 +106,11 @@ def create_app(pool: WorkerPool, artifact, api_key: str | None = None) -> FastAP
         pool.shutdown()
         log.info("drained: %d generation(s) completed in all, %d cancelled; exiting", state.served, left)
 
-    app = FastAPI(title="eagle2-deploy OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = state
-    app.add_middleware(CountRequests, metrics=metrics)
+    return run
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape (schema.APIError)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -123,121 +135,130 @@ def create_app(pool: WorkerPool, artifact, api_key: str | None = None) -> FastAP
         log.error("unexpected error on %s", request.url.path, exc_info=exc)
         return APIError(500, "internal server error", type="server_error").response()
 
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    pool = state.pool
+
     @app.get("/health")
     async def health():
-        body = {"status": "draining" if state.draining else "ok", "model": model_id,
+        body = {"status": "draining" if state.draining else "ok", "model": state.model_id,
                 "workers": len(pool.generators), "busy": pool.busy, "queued": pool.waiting,
                 "replica": pool.replica}
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
     async def prometheus():
-        body, media_type = metrics.exposition()
+        body, media_type = state.metrics.exposition()
         return Response(body, media_type=media_type)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_auth(request, api_key)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": state.created,
+        check_auth(request, state.api_key)
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
                                             "owned_by": "eagle2-deploy", "max_model_len": pool.max_length,
-                                            "precision": manifest.get("precision")}]}
+                                            "precision": pool.generators[0].manifest.get("precision")}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _generate(request, chat=True)
+        return await generate(state, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, chat=False)
+        return await generate(state, request, chat=False)
 
-    async def _generate(request, chat: bool):
-        start = time.perf_counter()
-        endpoint = request.url.path
-        check_auth(request, api_key)
-        if state.draining:
-            raise shutting_down()
-        req = parse_request(ChatRequest if chat else CompletionRequest, await read_json(request))
-        if req.model is not None and req.model != model_id and req.model not in aliases:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{model_id}'",
-                           param="model", code="model_not_found")
-        # Templates and tokenizers are slow enough to stall every open stream if run on the loop.
-        if chat:
-            ids = await run_in_threadpool(chat_prompt, pool.tokenizer, req.messages)
-            max_tokens = req.max_completion_tokens or req.max_tokens
-        else:
-            ids = await run_in_threadpool(completion_prompt, pool.tokenizer, req.prompt)
-            max_tokens = req.max_tokens
-        check_prompt(ids, pool.max_length, pool.vocab_size)
-        job = Job(ids, generation_kwargs(req, max_tokens), req.user)
-        shape = Shape(chat, req.model or model_id)
-        events = pool.run(job)
-        headers = {"X-Replica-Id": pool.replica}
-        try:
-            # Until the first event the request may be queued (or refused with 429); watching for a
-            # disconnect here lets a queued request leave without ever reaching a worker.
-            first = await until_disconnect(request, events.__anext__())
-        except BaseException:
-            await events.aclose()
-            raise
-        if first[0] == "error":            # nothing sent yet: still an HTTP status, even when streaming
-            await events.aclose()
-            raise worker_error(first[1])
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _stream_body(shape, first, events, len(ids), include_usage, endpoint, start)
-            return event_stream(body, headers, on_gone=job.cancel.set)
-        result = await until_disconnect(request, _collect(first, events))
-        if isinstance(result, APIError):
-            raise result
-        metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
-        _done(endpoint, len(ids), result, start)
-        return JSONResponse(shape.full(result, len(ids)), headers=headers)
 
-    async def _collect(first, events) -> Result | APIError:
-        event = first
-        try:
-            while event[0] == "delta":
-                event = await events.__anext__()
-            return event[1] if event[0] == "end" else worker_error(event[1])
-        finally:
-            await events.aclose()
+async def generate(state: ServerState, request, chat: bool) -> Response:
+    """One generation request, from its body to its answer (JSON, or server-sent events with stream)."""
+    pool = state.pool
+    start = time.perf_counter()
+    endpoint = request.url.path
+    check_auth(request, state.api_key)
+    if state.draining:
+        raise shutting_down()
+    req = parse_request(ChatRequest if chat else CompletionRequest, await read_json(request))
+    if req.model is not None and req.model != state.model_id and req.model not in state.aliases:
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{state.model_id}'",
+                       param="model", code="model_not_found")
+    # Templates and tokenizers are slow enough to stall every open stream if run on the loop.
+    if chat:
+        ids = await run_in_threadpool(chat_prompt, pool.tokenizer, req.messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        ids = await run_in_threadpool(completion_prompt, pool.tokenizer, req.prompt)
+        max_tokens = req.max_tokens
+    check_prompt(ids, pool.max_length, pool.vocab_size)
+    job = Job(ids, generation_kwargs(req, max_tokens), req.user)
+    shape = Shape(chat, req.model or state.model_id)
+    events = pool.run(job)
+    headers = {"X-Replica-Id": pool.replica}
+    try:
+        # Until the first event the request may be queued (or refused with 429); watching for a
+        # disconnect here lets a queued request leave without ever reaching a worker.
+        first = await until_disconnect(request, events.__anext__())
+    except BaseException:
+        await events.aclose()
+        raise
+    if first[0] == "error":            # nothing sent yet: still an HTTP status, even when streaming
+        await events.aclose()
+        raise worker_error(first[1])
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = stream_body(state, shape, first, events, len(ids), include_usage, endpoint, start)
+        return event_stream(body, headers, on_gone=job.cancel.set)
+    result = await until_disconnect(request, collect(first, events))
+    if isinstance(result, APIError):
+        raise result
+    state.metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
+    done(state, endpoint, len(ids), result, start)
+    return JSONResponse(shape.full(result, len(ids)), headers=headers)
 
-    def _done(endpoint, prompt_tokens, result: Result, start):
-        state.served += 1
-        metrics.record(endpoint, prompt_tokens, result, time.perf_counter() - start)
 
-    async def _stream_body(shape: Shape, first, events, prompt_tokens: int, include_usage: bool, endpoint, start):
-        """(chat: a role chunk), one chunk per text delta, a final chunk with the finish reason and the
-        eagle extension, (a usage chunk), then [DONE]. A worker error after the headers went out
-        becomes an error event, as OpenAI's API sends one."""
-        event, first_text = first, True
-        try:
-            if shape.chat:
-                yield sse(shape.chunk(text="", role=True))
-            while True:
-                if event[0] == "delta":
-                    if first_text:
-                        metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
-                        first_text = False
-                    yield sse(shape.chunk(text=event[1]))
-                elif event[0] == "end":
-                    result = event[1]
-                    final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason)
-                    final["eagle"] = result.eagle
-                    if not include_usage:
-                        final["usage"] = usage(prompt_tokens, result.completion_tokens)
-                    yield sse(final)
-                    if include_usage:
-                        yield sse(shape.usage_chunk(prompt_tokens, result.completion_tokens))
-                    yield SSE_DONE
-                    _done(endpoint, prompt_tokens, result, start)
-                    return
-                else:
-                    yield sse(worker_error(event[1]).body())
-                    yield SSE_DONE
-                    return
-                event = await events.__anext__()
-        finally:
-            await events.aclose()
+async def collect(first, events) -> Result | APIError:
+    event = first
+    try:
+        while event[0] == "delta":
+            event = await events.__anext__()
+        return event[1] if event[0] == "end" else worker_error(event[1])
+    finally:
+        await events.aclose()
 
-    return app
+
+def done(state: ServerState, endpoint, prompt_tokens, result: Result, start) -> None:
+    state.served += 1
+    state.metrics.record(endpoint, prompt_tokens, result, time.perf_counter() - start)
+
+
+async def stream_body(state: ServerState, shape: Shape, first, events, prompt_tokens: int, include_usage: bool,
+                      endpoint, start):
+    """(chat: a role chunk), one chunk per text delta, a final chunk with the finish reason and the
+    eagle extension, (a usage chunk), then [DONE]. A worker error after the headers went out
+    becomes an error event, as OpenAI's API sends one."""
+    event, first_text = first, True
+    try:
+        if shape.chat:
+            yield sse(shape.chunk(text="", role=True))
+        while True:
+            if event[0] == "delta":
+                if first_text:
+                    state.metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
+                    first_text = False
+                yield sse(shape.chunk(text=event[1]))
+            elif event[0] == "end":
+                result = event[1]
+                final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason)
+                final["eagle"] = result.eagle
+                if not include_usage:
+                    final["usage"] = usage(prompt_tokens, result.completion_tokens)
+                yield sse(final)
+                if include_usage:
+                    yield sse(shape.usage_chunk(prompt_tokens, result.completion_tokens))
+                yield SSE_DONE
+                done(state, endpoint, prompt_tokens, result, start)
+                return
+            else:
+                yield sse(worker_error(event[1]).body())
+                yield SSE_DONE
+                return
+            event = await events.__anext__()
+    finally:
+        await events.aclose()

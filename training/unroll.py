@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .llama import KVCache, additive_bias, causal_bias
+from models.config import ModelConfig
+from models.llama import KVCache, additive_bias, causal_bias
 
 
 def new_cache(cfg: ModelConfig, max_len: int, batch: int, device, layers: int | None = None) -> KVCache:

@@ -1,4 +1,4 @@
-"""EAGLE-3 head training (arXiv 2503.01840) on top of models.train_head's data pipeline.
+"""EAGLE-3 head training (arXiv 2503.01840) on top of training.train_head's data pipeline.
 
 What differs from EAGLE-1/2:
 - Features: the inputs of the base layers models.llama.eagle3_layers (low, middle, high),
@@ -11,7 +11,7 @@ What differs from EAGLE-1/2:
 - Loss: cross-entropy against the base's next-token distribution restricted to the draft
   vocabulary, only where the base's top token is in it (elsewhere no draft could be right); no
   feature regression. Training-time test: steps 2..K feed the head its own outputs, as at
-  inference (models.unroll.unrolled_forward), weighted 0.8^(step - 1).
+  inference (training.unroll.unrolled_forward), weighted 0.8^(step - 1).
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .draft_vocab import COUNTS_FILE, select
-from .llama import Eagle3Head
+from models.config import ModelConfig
+from models.draft_vocab import COUNTS_FILE, select
+from models.llama import Eagle3Head
+
 from .unroll import unrolled_forward
 
 
@@ -54,7 +55,7 @@ def new_eagle3_head(base: ModelConfig, base_state: dict, counts: np.ndarray, dra
 
 def eagle3_losses(head: Eagle3Head, emb: torch.Tensor, lm: torch.Tensor, batch, generator,
                   ce_fraction: float, unroll: int) -> dict:
-    """Loss and metrics on one batch (the keys models.train_head.head_losses returns; vloss is 0).
+    """Loss and metrics on one batch (the keys training.train_head.head_losses returns; vloss is 0).
     acc is the share of trained positions where the draft's top token (mapped to base ids) is the
     base's top token, counted over all trained positions, also those whose top token lies outside
     the draft vocabulary: it is the acceptance a depth-1 draft would see."""

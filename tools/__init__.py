@@ -1,0 +1,1 @@
+"""Tools beside the deployable runtime: the benchmark and its peers, acceptance, the GPU check and its projection."""

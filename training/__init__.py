@@ -1,0 +1,1 @@
+"""Training of EAGLE draft heads, beside the model definitions (models/) it trains against."""
