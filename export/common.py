@@ -6,22 +6,19 @@ import platform
 import time
 from pathlib import Path
 
+from models.cpu import cpu_flags
 from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
-from models.cpu import cpu_flags
 
 from .artifact import write_manifest
 
 # Tree sizes by precision, used until `python -m runtime tune` records one for the machine: on a
 # 2-core CPU every draft call and every extra verified token costs a sizeable share of a decode
-# step, so CPU precisions default to a small tree. Three tokens at depth 1 were tune's choice on an
-# Intel Xeon (3/1/4) and an AMD Zen 4 (3/1/2), and 3/1/2 decoded MT-bench 1.04x faster than 4/2/2
-# on the Zen 4 (README). 2/0/2, tune's choice there once depth 0 existed, rests on a two-row step
-# costing what a one-row one does, which a CPU bound by compute rather than memory does not give.
-# fp16 targets CUDA, where EAGLE-2's own default is right.
+# step, so CPU precisions default to a small tree, tune's choice on the CPUs measured; not 2/0/2, which
+# rests on a two-row step costing what a one-row one does, as a compute-bound CPU does not give
+# (docs/code-notes.md). fp16 targets CUDA, where EAGLE-2's own default is right.
 CPU_TREE = {"total_tokens": 3, "depth": 1, "top_k": 2}
-# w8a8's integer GEMMs make verified rows cheap on AMX: on a Xeon, 4/1/2 decoded MT-bench fastest
-# (README), with tune's choices there, 6/1/3 and 5/1/2, within 2 % of it.
+# w8a8's integer GEMMs make verified rows cheap on AMX, so its tree is a little wider (docs/code-notes.md).
 W8A8_TREE = {"total_tokens": 4, "depth": 1, "top_k": 2}
 DEFAULT_TREE = {"fp32": CPU_TREE, "int8": CPU_TREE, "w8a8": W8A8_TREE, "gguf": CPU_TREE,
                 "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10}}
@@ -74,11 +71,11 @@ def _installed() -> bool:
 def default_draft_precision(precision: str) -> str:
     """The draft only proposes tokens (verification keeps the output exact), so it can be cheaper
     than the base: every draft call reads the whole vocabulary projection, and on a CPU 8-bit
-    weights make that 2-4x faster. fp16 artifacts (for CUDA) keep fp16."""
+    weights make that several times faster (docs/code-notes.md). fp16 artifacts (for CUDA) keep fp16."""
     return "fp16" if precision == "fp16" else "int8"
 
 
-# Draft vocabulary size by default (README "Choosing the draft vocabulary"): measured on SmolLM2.
+# Draft vocabulary size by default: measured on SmolLM2 (docs/design.md, "Reduced draft vocabulary").
 DEFAULT_DRAFT_VOCAB = 8192
 # The CLI's default where the CPU has no AMX: the fastest precision among those speculation is
 # lossless for, and one every x86-64 CPU runs.
@@ -89,8 +86,7 @@ def default_precision() -> str:
     """The CLI's default for the CPU exporting: w8a8 where it has AMX int8 tiles, else int8.
 
     On AMX, w8a8's integer GEMMs make verified rows cheap and its EAGLE-2 decoding measured fastest
-    (a Xeon, 16 MT-bench first turns: 4/1/2 with the lookup branch 1.09x int8's best tree, README
-    "Xeon with AMX"); its one-token steps are slower than int8's, so without AMX, where rows cost
+    (docs/code-notes.md); its one-token steps are slower than int8's, so without AMX, where rows cost
     more, int8 stays (w8a8 was not measured faster there, and CPUs without VNNI cannot run it)."""
     return "w8a8" if "amx_int8" in cpu_flags() else PORTABLE_PRECISION
 

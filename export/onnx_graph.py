@@ -54,25 +54,23 @@ ATTENTIONS = ("exact", "fused")
 # keys for products wider than 64 columns, up to 1,024 for those of at most 16. It splits a product
 # wider than 16 columns between threads by columns when it has few rows, each thread then blocking
 # by its own width: with 65 columns, one block size for a one-token step and another for a tree
-# once 4+ threads work on it (measured: SmolLM2's verify rows differed from plain decoding at 600
-# tokens of context with 8 threads). Chunks of at most VALUE_CHUNK value columns are never split, so
-# a row's P @ V sums keys [0, 1024), [1024, 2048), ... separately, always. tests/test_runtime_bitwise.py
-# fails if a tree straddling such a boundary stops differing from plain decoding or one inside a
-# block starts to, so a change in ONNX Runtime shows up there.
+# once 4+ threads work on it (measured; docs/code-notes.md). Chunks of at most VALUE_CHUNK value
+# columns are never split, so a row's P @ V sums keys [0, 1024), [1024, 2048), ... separately,
+# always. tests/test_runtime_bitwise.py fails if a tree straddling such a boundary stops differing
+# from plain decoding or one inside a block starts to, so a change in ONNX Runtime shows up there.
 VALUE_CHUNK = 16
 EXACT_KEY_BLOCK = 1024
 # Lowest exponent the exact attention's softmax evaluates (weights below e^-80 relative to the row's
 # largest are dropped to e^-80); see _exact_attention.
 EXP_FLOOR = -80.0
 # Weight block sizes the int8 precision offers. Level 4 also quantizes the activations per block, so
-# 64 rounds more than 32 (SmolLM2-135M's top-1 agreement with fp32 0.956 against 0.972, perplexity
-# the same) for half the scale products: one-token steps 1.07-1.19x faster on an AMD Zen 4 (README),
-# so 64 is the default, the fastest lossless CPU artifact measured; 32 stays for the closer rounding.
-# 128 (measured: one-token steps 5 % faster than 64, 4-row verify steps no faster) would round more still.
+# 64 rounds a little more than 32 for half the scale products: 64 is the default, the fastest lossless
+# CPU artifact measured; 32 stays for the closer rounding; 128 would round more still for little speed
+# (docs/code-notes.md).
 INT8_BLOCK = 64
 INT8_BLOCKS = (32, 64)
-# Level 4 = int8 activations x int8 weights (VNNI): 2x faster than fp32 decoding on this CPU;
-# level 0 (fp32 compute) decodes at 2 tok/s. Each row's activations are quantized on their own and
+# Level 4 = int8 activations x int8 weights (VNNI), much faster than level 0's fp32 compute
+# (docs/code-notes.md). Each row's activations are quantized on their own and
 # its products do not depend on the step's other rows, so int8 bases verify exactly
 # (tests/test_runtime_bitwise.py; the 4-bit products of --precision gguf do not on AVX2 CPUs).
 INT8_ACCURACY_LEVEL = 4
@@ -252,23 +250,21 @@ class Builder:
         Why: an integer product is exact whatever the kernel's blocking or the number of rows, and
         everything around it is elementwise within a row, so a row's result cannot depend on the
         step's other rows: verification is exact by construction. And the integer GEMM's cost barely
-        grows with rows on AMX (MatMulNBits' 8-bit kernel costs 2.7-4x more at 8 rows than at one
-        on a Xeon), so wider trees are cheap to verify.
+        grows with rows on AMX, unlike MatMulNBits' 8-bit kernel's (docs/code-notes.md), so wider
+        trees are cheap to verify.
 
         A row x is centred on the middle of its range, m = (max + min) / 2, so that its 255 levels
         span [min, max] (as an asymmetric quantizer would; MatMulIntegerToFloat takes no zero point
-        per row): x W^T = s (q W^T) + m colsum(W) with q = round((x - m) / s) in [-127, 127]. Against
-        a scale of max |x| / 127, this raised SmolLM2-135M's top-1 agreement with fp32 from 0.952
-        to 0.965 (16 MT-bench first turns; int8: 0.963). Anchoring the levels at the minimum
-        instead (q in [0, 254], three ops fewer) gave 0.954: its larger integer sums lose bits as
-        floats. SmoothQuant (export/smoothing.py) narrows the rows beforehand.
+        per row): x W^T = s (q W^T) + m colsum(W) with q = round((x - m) / s) in [-127, 127]. This
+        agrees with fp32 more closely than a scale of max |x| / 127 does, and than levels anchored at
+        the minimum (q in [0, 254], three ops fewer), whose larger integer sums lose bits as floats
+        (docs/code-notes.md). SmoothQuant (export/smoothing.py) narrows the rows beforehand.
 
         Each op here costs a few microseconds whatever its size, over 121 linears a step, so the
         form is the one with the fewest: QuantizeLinear with one block per row (opset 21) rounds,
         offsets and casts in one op, and MatMulIntegerToFloat scales each output row by an a_scale
-        of shape [T, 1] itself. 11 ops against 16 for Round/Div/Add/Cast and a separate scaling:
-        on a Xeon with AMX, a chain of 120 such 576x576 linears cost 2.8 against 3.1 ms for one row
-        and 4.9 against 5.9 ms for twelve."""
+        of shape [T, 1] itself. 11 ops against 16 for Round/Div/Add/Cast and a separate scaling,
+        measurably faster (docs/code-notes.md)."""
         g = self.g
         q, scales = quantize_channels_8bit(weight)
         f32 = np.float32
@@ -383,7 +379,7 @@ class Builder:
         scores = g.op("FusedMatMul", [q, keys], domain="com.microsoft", transB=1, alpha=float(d ** -0.5))
         scores = g.op("Add", [g.op("Reshape", [scores, io.scores_shape]), io.row_bias])  # [kv, T, rows, capacity]
         # exp of the scores minus the row max, floored at EXP_FLOOR and zeroed where masked: an exact
-        # zero for masked keys, and ONNX Runtime's Exp runs 20x slower on inputs below about -87.
+        # zero for masked keys, and ONNX Runtime's Exp runs far slower on inputs below about -87 (docs/code-notes.md).
         shifted = g.op("Sub", [scores, g.op("ReduceMax", [scores, g.const([-1])], keepdims=1)])
         probs = g.op("Mul", [g.op("Exp", [g.op("Max", [shifted, g.const(EXP_FLOOR, self.p.io_dtype)])]), io.row_keep])
         probs = g.op("Reshape", [probs, io.flat_shape])  # [kv, 1, T * rows, capacity], against each chunk

@@ -31,8 +31,7 @@ PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16"
 CHEAPER_DRAFTS = {"ipex": ("int8",), "torch": ()}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 # IPEX bf16's default tree: its linear layers cost the same for 1 to 16 rows on AMX, so wider trees pay
-# (Xeon with AMX, 8 MT-bench prompts side by side: 6/1/3 1.40x plain, 4/2/2 1.34x; `runtime tune`
-# predicted 6/1/3 best of every tree up to depth 3 and top-k 3 on its own prompts, 3/1/2 included).
+# (docs/code-notes.md).
 IPEX_BF16_TREE = {"total_tokens": 6, "depth": 1, "top_k": 3}
 # The graphs are traced at this many tokens and cache positions; both stay dynamic.
 TRACE_TOKENS, TRACE_CACHE = 4, 16
@@ -152,8 +151,7 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
                  max_length: int | None = None, verify: bool = True, overwrite: bool = False, log=print,
                  draft_vocab: DraftVocab | None = None, draft_precision: str | None = None) -> dict:
     """draft_precision: the draft graph's. It only proposes tokens, so a cheaper one cannot change the
-    output: IPEX's default is its weight-only int8 (SmolLM2 with a bf16 base on a Xeon: draft 5.1 ->
-    4.2 ms per 4/2/2 cycle, EAGLE-2 1.07x, measured side by side); plain PyTorch's, the base's."""
+    output: IPEX's default is its weight-only int8, a faster draft (docs/code-notes.md); plain PyTorch's, the base's."""
     if target not in PRECISIONS:
         raise ExportError(f"unsupported target {target!r} for the torch exporter")
     if precision not in PRECISIONS[target]:

@@ -16,7 +16,7 @@ from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, RMSNorm, causal_bias, eagle3_layers, forward_layers
 from models.tensors import LazyTensors, layer_tensors
-from runtime.engine import open_session
+from runtime.providers import open_session
 
 from .onnx_graph import INT8_BLOCK, dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
 

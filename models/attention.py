@@ -42,8 +42,7 @@ def cache_product(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 @torch.jit.script
 def value_product(probs: torch.Tensor, cache: torch.Tensor, block: int) -> torch.Tensor:
     """probs [T, kv, r, capacity] @ cache [1, kv, capacity, m], the key sum taken in blocks of `block`
-    keys added in order: a GEMM blocks a long key sum by its length (measured on a Xeon: a row's sum
-    over 512 keys rounds otherwise than over 768 or more with the same keys and zeros after), so a
+    keys added in order: a GEMM blocks a long key sum by its length (measured; docs/code-notes.md), so a
     row's sum would depend on the capacity it is computed at. With fixed blocks it depends only on
     where its keys sit; blocks past them add exact zeros."""
     out = cache_product(probs[..., :block], cache[:, :, :block])

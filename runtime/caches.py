@@ -3,7 +3,7 @@ artifacts, every torch artifact), shared by the ONNX Runtime and torch sessions.
 
 Such a graph reads every position it is given, masked where not in use, so its caches are handed
 over at a capacity just above the positions in use, growing in steps the session chooses (copying
-out the used part every step instead cost 3.5 ms a step at 800 tokens of context, measured). Each
+out the used part every step instead cost more; docs/code-notes.md). Each
 cache lives in one store allocated once for the longest length; the cache of a given capacity is
 the store's first heads * capacity * width elements, re-laid out in place when the capacity changes.
 """

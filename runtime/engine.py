@@ -19,7 +19,6 @@ import numpy as np
 from eagle2 import DraftTree, tree_from_parents, write_attention_bias
 
 from .backend import Session
-# open_session is also export/verify.py's way to run an artifact's graphs in its parity check.
 from .providers import check_target, open_session
 
 PREFILL_CHUNK = 128

@@ -20,12 +20,8 @@ from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_C
 
 
 # The lookup matches the last 3 committed tokens and proposes up to 8 tokens when neither the call
-# nor the tuning names a length. Measured on 16 MT-bench first turns (int8, 2-core Xeon, README):
-# 4/1/2 with a branch of 2 / 4 / 8 / 12 tokens decoded 1.09 / 1.12 / 1.13 / 1.10x as fast as 4/1/2
-# alone; matching 2 tokens accepted a little more (tau 2.20 against 2.14) but verified more rows
-# and decoded 2 % slower (against plain decoding in the same run). Falling back to the last 2
-# tokens only where 3 find nothing (two runs, interleaved): tau 2.14 -> 2.24, tokens/s +2.2 % and
-# +0.4 % on w8a8 4/1/2+8, -0.2 % and -2.2 % on int8 3/1/2+8; to the last token: tau 2.34, 2-8 % slower.
+# nor the tuning names a length: the fastest branch length measured; matching fewer tokens (alone or
+# as a fallback) accepts more but verifies more rows, for no clear gain (docs/code-notes.md).
 LOOKUP_NGRAM = 3
 DEFAULT_LOOKUP = 8
 TREE_FIELDS = ("total_tokens", "depth", "top_k", "lookup")  # a tree's settings, in the order labels give them

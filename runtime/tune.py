@@ -32,6 +32,7 @@ from .tuning import TUNING_FILE
 
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
+COST_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 class RecordingDecoder(Decoder):
@@ -150,6 +151,24 @@ def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
             "predicted": predicted[:20]}
 
 
+def step_costs(gen, prompt: list[int], context: int) -> dict:
+    """Verify seconds by rows (COST_ROWS) and the draft's seconds per cycle of the artifact's
+    default tree: what a tree costs here, without the acceptance decoding that tune() runs."""
+    verify = verify_costs(gen, list(COST_ROWS), context, reps=5)
+    out = gen.generate(prompt, max_new_tokens=16, lookup=0)
+    return {"machine": cpu_name(), "date": time.strftime("%Y-%m-%d"), "context": context,
+            "verify_ms": {str(n): 1e3 * v for n, v in verify.items()},
+            "verify_vs_one_row": {str(n): v / verify[1] for n, v in verify.items()},
+            "tree": tree_label(gen.tree(lookup=0)),
+            "draft_ms_per_cycle": 1e3 * out.timings["draft"] / max(1, len(out.accept_lengths))}
+
+
+def acceptance_seconds(one_row_s: float, n_prompts: int, max_new: int, configs: int) -> float:
+    """What tune()'s acceptance runs would take at about one plain step a token (each cycle's
+    verify costs more than a step, and lands more than one token)."""
+    return one_row_s * n_prompts * max_new * (configs + 2 * CONFIRM + 1)
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -182,6 +201,11 @@ def main(argv=None) -> int:
     p.add_argument("--depths", default="0,1,2,3,4")
     p.add_argument("--top-ks", default="1,2,3,4")
     p.add_argument("--plot", help="write predicted speedup against tree size here")
+    p.add_argument("--costs-only", action="store_true", help="measure the verify cost by rows and the draft cost, "
+                   "not acceptance (random-weight checkpoints: their acceptance means nothing)")
+    p.add_argument("--budget-minutes", type=float, default=30, help="measure costs only when the acceptance runs "
+                   "would take longer than this (large models on few cores; default 30)")
+    p.add_argument("--json", help="with costs only: write the costs here")
     a = p.parse_args(argv)
     import runtime
     gen = runtime.load(a.artifact, provider=a.provider)
@@ -189,8 +213,27 @@ def main(argv=None) -> int:
         p.error("the artifact has no draft head: there is no tree to tune")
     prompts = [gen.tokenizer.apply_chat_template([{"role": "user", "content": q.text}])
                for q in load_prompts(a.prompts)[: a.n]]
-    result = tune(gen, prompts, [int(v) for v in a.depths.split(",")], [int(v) for v in a.top_ks.split(",")],
-                  a.max_new_tokens)
+    depths, top_ks = [int(v) for v in a.depths.split(",")], [int(v) for v in a.top_ks.split(",")]
+    context = int(np.mean([len(q) for q in prompts])) + a.max_new_tokens // 2
+    if not a.costs_only:
+        one_row = verify_costs(gen, [1], context, reps=3)[1]
+        need = acceptance_seconds(one_row, len(prompts), a.max_new_tokens, len(depths) * len(top_ks))
+        if need > 60 * a.budget_minutes:
+            print(f"acceptance on {len(prompts)} prompts x {a.max_new_tokens} tokens for {len(depths) * len(top_ks)} "
+                  f"tree shapes would take about {need / 3600:.1f} h here ({1e3 * one_row:.0f} ms a one-token step): "
+                  "measuring costs only, choosing no tree (fewer --n / --max-new-tokens / --depths / --top-ks, or a "
+                  "larger --budget-minutes, to tune)", file=sys.stderr)
+            a.costs_only = True
+    if a.costs_only:
+        costs = step_costs(gen, prompts[0], context)
+        print(f"verify step by rows on {costs['machine']} (context {context}):")
+        for n, ms in costs["verify_ms"].items():
+            print(f"  {n:>2} rows: {ms:8.1f} ms ({costs['verify_vs_one_row'][n]:.2f}x one row)")
+        print(f"draft: {costs['draft_ms_per_cycle']:.1f} ms a cycle of tree {costs['tree']}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(costs, indent=2) + "\n")
+        return 0
+    result = tune(gen, prompts, depths, top_ks, a.max_new_tokens)
     path = Path(a.artifact) / TUNING_FILE
     tuning = json.loads(path.read_text()) if path.is_file() else {}
     tuning[a.provider] = result

@@ -72,6 +72,24 @@ def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     assert "chosen for provider cpu" in capsys.readouterr().out
 
 
+def test_tune_measures_costs_only_where_acceptance_would_take_too_long(artifact, tmp_path, capsys):
+    """A large model on few cores (or random weights): verify cost by rows and the draft's cost, no
+    acceptance runs and no tree chosen; the same when asked with --costs-only."""
+    out = tmp_path / "costs.json"
+    assert tune.main([str(artifact), "--budget-minutes", "0.0001", "--n", "2", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "measuring costs only, choosing no tree" in err
+    assert not (artifact / tune.TUNING_FILE).exists()
+    costs = json.loads(out.read_text())
+    assert [int(n) for n in costs["verify_ms"]] == list(tune.COST_ROWS)
+    assert costs["verify_vs_one_row"]["1"] == 1.0
+    assert all(abs(costs["verify_ms"][n] / costs["verify_ms"]["1"] - r) < 1e-9
+               for n, r in costs["verify_vs_one_row"].items())
+    assert costs["tree"] == tree_label({**DEFAULT_TREE["int8"], "lookup": 0}) and costs["draft_ms_per_cycle"] > 0
+    assert tune.main([str(artifact), "--costs-only"]) == 0
+    assert "rows:" in capsys.readouterr().out
+
+
 def test_bench_reports_every_configuration(artifact, tmp_path):
     out = tmp_path / "bench"
     assert bench.main([str(artifact), "--prompts", "builtin", "--n", "2", "--max-new-tokens", "20",
