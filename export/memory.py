@@ -68,6 +68,16 @@ def estimate(ckpt: Checkpoint, target: str, precision: str, verify: bool) -> Est
     return Estimate(BASE_BYTES + phases[phase], phase)
 
 
+def fp32_model_bytes(ckpt: Checkpoint) -> int:
+    return 4 * sum(_numel(s) for s in _shapes(ckpt).values())
+
+
+def resident_calibration(ckpt: Checkpoint, precision: str, verify: bool) -> bool:
+    """Whether w8a8's calibration may hold the whole fp32 model: only where that stays within the
+    export's estimated peak anyway (small models), so that no export exceeds its estimate."""
+    return BASE_BYTES + fp32_model_bytes(ckpt) <= estimate(ckpt, "onnx", precision, verify).peak
+
+
 def available_memory() -> int:
     """What this process may still take: MemAvailable, or the cgroup's limit if lower."""
     with open("/proc/meminfo") as f:

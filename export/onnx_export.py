@@ -21,10 +21,10 @@ from models.weights import Checkpoint
 from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
-from .memory import check_memory
+from .memory import check_memory, resident_calibration
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WEIGHTS_FILE, WeightStore,
                          build_base, build_draft, build_draft_eagle3, lm_head_name)
-from .smoothing import ALPHA, CALIBRATION, SMOOTHED, activation_maxima, calibration_ids, smooth
+from .smoothing import ALPHA, SMOOTHED, activation_maxima, smooth
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
 DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
@@ -69,7 +69,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     start = time.time()
     state, smoothing = fp32_arrays(ckpt.state), None
     if precision == "w8a8":
-        state, smoothing = _smoothed(cfg, state, ckpt.tokenizer)
+        state, smoothing = _smoothed(cfg, state, ckpt.tokenizer, resident_calibration(ckpt, precision, verify))
         # the parity check compares the graphs with the weights they hold: the smoothed ones
         ckpt = dataclasses.replace(ckpt, state=LazyTensors(state.keys(), lambda k: torch.from_numpy(state[k])))
     with atomic_directory(out, overwrite) as tmp:
@@ -136,11 +136,10 @@ def _gguf_blocks(ckpt: Checkpoint) -> dict:
     return read_blocks(ckpt.gguf_path, ckpt.cfg)
 
 
-def _smoothed(cfg, state: Mapping, tokenizer) -> tuple[Mapping, dict]:
+def _smoothed(cfg, state: Mapping, tokenizer, resident: bool) -> tuple[Mapping, dict]:
     """w8a8's weights with SmoothQuant folded in, and the manifest's record of how."""
-    maxima = activation_maxima(cfg, state, calibration_ids(tokenizer))
-    record = {"method": "SmoothQuant", "alpha": ALPHA, "layers": list(SMOOTHED),
-              "calibration": f"{len(CALIBRATION)} built-in chat prompts with fixed replies, teacher-forced"}
+    maxima, calibration = activation_maxima(cfg, state, tokenizer, resident)
+    record = {"method": "SmoothQuant", "alpha": ALPHA, "layers": list(SMOOTHED), "calibration": calibration}
     return smooth(cfg, state, maxima), record
 
 

@@ -276,9 +276,10 @@ class Builder:
         xq = g.op("QuantizeLinear", [g.op("Sub", [x, mid]), row_scale, self._zero_points(row_scale, rows)],
                   axis=1, block_size=weight.shape[1])
         # MatMulInteger's B is [K, N]; torch transposes int8 several times faster than numpy
-        ins = [xq, g.weight(f"{name}.w8", torch.from_numpy(q).t().contiguous().numpy()), row_scale,
-               g.weight(f"{name}.channel_scales", scales), g.const(W8A8_ZERO_POINT, np.uint8)]
-        column_sums = scales * q.sum(axis=1, dtype=np.int32).astype(f32)  # the integer sums are exact
+        q_kn = torch.from_numpy(q).t().contiguous().numpy()
+        ins = [xq, g.weight(f"{name}.w8", q_kn), row_scale, g.weight(f"{name}.channel_scales", scales),
+               g.const(W8A8_ZERO_POINT, np.uint8)]
+        column_sums = (q_kn.T.astype(f32) * scales[:, None]).sum(axis=1)
         y = g.op("Add", [g.op("MatMulIntegerToFloat", ins, domain="com.microsoft"),
                          g.op("Mul", [mid, g.weight(f"{name}.column_sums", column_sums)])])
         if bias is not None:

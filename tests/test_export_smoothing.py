@@ -7,19 +7,22 @@ import torch
 import runtime
 from export.artifact import read_manifest
 from export.onnx_export import export_onnx
-from export.smoothing import SMOOTHED, activation_maxima, calibration_ids, smooth
+from export.smoothing import SMOOTHED, activation_maxima, smooth
 from models.cpu import int8_dot_products
 from models.llama import CausalLM, KVCache, causal_bias
 from models.registry import load_checkpoint
 from runtime.session import ProviderError
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+@pytest.fixture(scope="module", params=[("tiny-llama", True), ("tiny-qwen2", True), ("tiny-llama", False),
+                                        ("tiny-qwen2", False)], ids=lambda p: f"{p[0]}-{'resident' if p[1] else 'layers'}")
 def smoothed(request):
-    ckpt = load_checkpoint(request.param)
+    """Calibrated with the whole model over its greedy replies (resident) or a layer at a time."""
+    name, resident = request.param
+    ckpt = load_checkpoint(name)
     state = {k: v.float().numpy() for k, v in ckpt.state.items()}
-    maxima = activation_maxima(ckpt.cfg, state, calibration_ids(ckpt.tokenizer))
-    return ckpt, state, maxima, dict(smooth(ckpt.cfg, state, maxima))
+    maxima, _ = activation_maxima(ckpt.cfg, state, ckpt.tokenizer, resident)
+    return ckpt, state, maxima, dict(smooth(ckpt.cfg, state, maxima)), resident
 
 
 def logits(cfg, state, ids):
@@ -31,7 +34,7 @@ def logits(cfg, state, ids):
 
 
 def test_smoothing_keeps_the_function(smoothed):
-    ckpt, state, _, new = smoothed
+    ckpt, state, _, new, _ = smoothed
     ids = torch.randint(0, ckpt.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     want, got = logits(ckpt.cfg, state, ids), logits(ckpt.cfg, new, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
@@ -41,8 +44,8 @@ def test_smoothing_keeps_the_function(smoothed):
 
 def test_smoothing_narrows_the_inputs_it_quantizes(smoothed):
     """What a row's one scale has to cover: the spread of channel maxima, before and after."""
-    ckpt, state, maxima, new = smoothed
-    after = activation_maxima(ckpt.cfg, new, calibration_ids(ckpt.tokenizer))
+    ckpt, state, maxima, new, resident = smoothed
+    after, _ = activation_maxima(ckpt.cfg, new, ckpt.tokenizer, resident)
     assert set(maxima) == {f"{i}.{m}" for i in range(ckpt.cfg.num_layers) for m in SMOOTHED}
     spread = {k: m.max() / np.median(m) for k, m in maxima.items()}
     assert all(after[k].max() / np.median(after[k]) < spread[k] for k in maxima)
