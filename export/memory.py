@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from math import prod
 
+from models.tensors import tensor_shape
 from models.weights import Checkpoint
 
 from .common import ExportError
@@ -31,36 +33,28 @@ class Estimate:
     phase: str
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def _shapes(ckpt: Checkpoint) -> dict[str, tuple]:
-    state = ckpt.state
-    return {k: tuple(state.shape(k)) if hasattr(state, "shape") else tuple(state[k].shape) for k in state}
+    return {k: tensor_shape(ckpt.state, k) for k in ckpt.state}
 
 
 def estimate(ckpt: Checkpoint, target: str, precision: str, verify: bool) -> Estimate:
     """The export's estimated peak resident memory, and the phase that sets it."""
     cfg = ckpt.cfg
     shapes = _shapes(ckpt)
-    params = sum(_numel(s) for s in shapes.values())
-    head_params = sum(_numel(t.shape) for t in ckpt.head_state.values())
+    params = sum(prod(s) for s in shapes.values())
+    head_params = sum(prod(t.shape) for t in ckpt.head_state.values())
     if target != "onnx":
         return Estimate(BASE_BYTES + int(TORCH_FACTOR * 4 * (params + head_params)), "the whole fp32 model")
     vocab_fp32 = 4 * cfg.vocab_size * cfg.hidden_size
     fused_ffn = 4 * 2 * cfg.intermediate_size * cfg.hidden_size
-    layer = 4 * max(sum(_numel(s) for k, s in shapes.items() if k.startswith(f"model.layers.{i}."))
+    layer = 4 * max(sum(prod(s) for k, s in shapes.items() if k.startswith(f"model.layers.{i}."))
                     for i in range(cfg.num_layers))
     phases = {"building the graphs": QUANTIZE_TEMPORARIES * max(vocab_fp32, fused_ffn)}
     if precision == "w8a8":
         phases["SmoothQuant calibration"] = layer + vocab_fp32
     if verify:
         embedding = vocab_fp32 // (2 if precision == "fp16" else 1)
-        linears = params - _numel(shapes["model.embed_tokens.weight"]) + head_params
+        linears = params - prod(shapes["model.embed_tokens.weight"]) + head_params
         weights = embedding + LINEAR_BYTES[precision] * linears
         phases["the parity check's ONNX Runtime session"] = int(SESSION_FACTOR * weights)
         phases["the parity check's reference"] = layer + 3 * vocab_fp32
@@ -69,7 +63,7 @@ def estimate(ckpt: Checkpoint, target: str, precision: str, verify: bool) -> Est
 
 
 def fp32_model_bytes(ckpt: Checkpoint) -> int:
-    return 4 * sum(_numel(s) for s in _shapes(ckpt).values())
+    return 4 * sum(prod(s) for s in _shapes(ckpt).values())
 
 
 def resident_calibration(ckpt: Checkpoint, precision: str, verify: bool) -> bool:

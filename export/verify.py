@@ -131,7 +131,9 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state: Mapping, hea
     del base
     stored = LazyTensors(state.keys(), lambda k: stored_weight(k, state[k], precision, int8_block))
     lm_name = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
-    features = _reference_base(cfg, stored, steps, n_pos, head_cfg, head_state, precision, int8_block,
+    # tied models: the graph's lm_head is the embedding in the linear layers' precision
+    lm = stored_weight("lm_head.weight", state[lm_name], precision, int8_block)
+    features = _reference_base(cfg, stored, lm, steps, n_pos, head_cfg, head_state, precision, int8_block,
                                record, graph_out, graph_k)
     if head_cfg is not None:
         head = (Eagle3Head if head_cfg.eagle3 else EagleHead)(head_cfg, n_pos).eval()
@@ -168,7 +170,7 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state: Mapping, hea
 
 
 @torch.no_grad()
-def _reference_base(cfg, stored: Mapping, steps, n_pos, head_cfg, head_state, precision, int8_block, record,
+def _reference_base(cfg, stored: Mapping, lm: torch.Tensor, steps, n_pos, head_cfg, head_state, precision, int8_block, record,
                     graph_out, graph_k) -> list[torch.Tensor]:
     """The base's reference outputs for `steps`, recorded against the graph's; returns the features
     the draft head reads at each step."""
@@ -190,9 +192,6 @@ def _reference_base(cfg, stored: Mapping, steps, n_pos, head_cfg, head_state, pr
                              visit)[0]
     norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     norm.weight.data = stored["model.norm.weight"]
-    lm = stored["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"]
-    if "lm_head.weight" not in stored:  # tied: the graph's lm_head is the embedding in the linear precision
-        lm = stored_weight("lm_head.weight", lm, precision, int8_block)
     features = []
     for j, (x, got) in enumerate(zip(out, graph_out)):
         hidden = norm(x)

@@ -9,6 +9,7 @@ materialising a second model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from math import prod
 from pathlib import Path
 
 import torch
@@ -47,14 +48,7 @@ class TensorFiles(Mapping):
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(shape) * size for _, shape, size in self._entries.values())
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+        return sum(prod(shape) * size for _, shape, size in self._entries.values())
 
 
 class LazyTensors(Mapping):
