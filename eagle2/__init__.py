@@ -1,7 +1,7 @@
 """EAGLE-2 speculative decoding algorithms, backend-free (numpy only)."""
 from .lookup import NgramIndex
 from .sampling import process_logits, sample
-from .tree import DraftPool, DraftTree, graft_chain, tree_from_parents, write_attention_bias
+from .tree import DraftPool, DraftTree, graft_chain, share_rows, tree_from_parents, write_attention_bias
 from .verify import accept_greedy, accept_sampling
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "graft_chain",
     "process_logits",
     "sample",
+    "share_rows",
     "tree_from_parents",
     "write_attention_bias",
 ]

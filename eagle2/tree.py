@@ -295,3 +295,25 @@ class DraftPool:
             depths=np.concatenate(([0], self.depths[kept])),
             scores=np.concatenate(([0.0], self.scores[kept])),
         )
+
+
+def share_rows(scores, wanted, budget):
+    """EAGLE-2's rerank across the trees that share one verify step.
+
+    scores: one array per tree, the cumulative draft log-probabilities of its candidate nodes
+    (DraftPool.scores[:size]); wanted: each tree's size alone, root included; budget: rows for all.
+    Every tree keeps its root; the rows left go to the candidates of highest score over all trees,
+    each tree taking at most wanted - 1 of its own. Returns the trees' sizes, root included; a tree's
+    nodes are then its own best ones (DraftPool.select), as EAGLE-2 picks them for one tree.
+    """
+    if len(scores) != len(wanted):
+        raise ValueError("one score array per tree")
+    best = [np.sort(np.asarray(s, dtype=np.float64))[::-1][:max(int(w) - 1, 0)] for s, w in zip(scores, wanted)]
+    spare = int(budget) - len(best)
+    if spare >= sum(len(b) for b in best):
+        return [1 + len(b) for b in best]
+    if spare <= 0 or not best:
+        return [1] * len(best)
+    owner = np.repeat(np.arange(len(best)), [len(b) for b in best])
+    kept = owner[np.argsort(-np.concatenate(best), kind="stable")[:spare]]
+    return (1 + np.bincount(kept, minlength=len(best))).tolist()

@@ -168,10 +168,11 @@ def _write_graphs(tmp: Path, store: WeightStore, ckpt: Checkpoint, state: Mappin
     head_state = LazyTensors(sources, lambda k: sources[k][0][sources[k][1]])
     log("draft graph ...")
     if eagle3:
-        draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store, int8_block)
+        draft = build_draft_eagle3(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store, int8_block,
+                                   attention)
     else:
         draft = build_draft(cfg, ckpt.head_cfg, head_state, draft_precision, n_positions, store,
-                            None if draft_vocab is None else draft_vocab.ids, int8_block)
+                            None if draft_vocab is None else draft_vocab.ids, int8_block, attention)
     (tmp / "draft.onnx").write_bytes(draft.SerializeToString())
     graphs["draft"] = graph_spec(draft, "draft.onnx")
     return graphs

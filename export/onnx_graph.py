@@ -29,9 +29,10 @@ Two attention implementations:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import ChainMap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ from models.gguf_blocks import Blocks
 from models.llama import eagle3_layers
 from models.rope import cos_sin_tables
 
-OPSET = 24  # TensorScatter (in-place cache writes of the exact attention)
+OPSET = 24  # one opset for the project's graphs (the runtime's compaction graph uses TensorScatter)
 IR_VERSION = 10  # readable by the onnxruntime builds of the cuda and openvino extras
 WEIGHTS_FILE = "weights.bin"
 ALIGN = 4096
@@ -338,9 +339,12 @@ class Builder:
         return g.op("Reshape", [attn, g.const([-1, cfg.num_heads * cfg.head_dim])])
 
     def _exact_attention(self, cfg: ModelConfig, qkv: str, layer: str, io: "StepInputs") -> str:
-        """softmax(q k^T / sqrt(d) + bias) v over the whole cache, each row computed independently of
-        the others (see the module docstring). Query head j reads kv head j // group, as in
-        GroupQueryAttention.
+        """softmax(q k^T / sqrt(d) + bias) v over its sequence's whole cache, each row computed
+        independently of the others (see the module docstring). Query head j reads kv head
+        j // group, as in GroupQueryAttention. The caches hold S sequences [S, heads, capacity,
+        width]; a step's rows are regrouped by sequence (row_gather, padded to M rows each), each
+        sequence's rows attend over its own cache only, and go back to the step's order
+        (row_scatter).
 
         With MLAS's SGEMM (ONNX Runtime's MatMul) in mind: one matmul per kv head over all its query
         rows, whose count never drops to one (a one-row product takes another kernel, so without
@@ -358,40 +362,42 @@ class Builder:
             return g.op("RotaryEmbedding", [t, "position_ids", io.cos, io.sin], domain="com.microsoft",
                         num_heads=n, interleaved=0)
 
-        def write(cache: str, new: str) -> str:
-            """new [1, T, heads, width] into the cache at cache_position, in place; returns the whole
-            updated cache [1, heads, capacity, width] (attention_bias masks what is not in use)."""
-            new = g.op("Transpose", [new], perm=[0, 2, 1, 3])
-            return g.op("TensorScatter", [f"past_{cache}_{layer}", new, "cache_position"],
-                        [f"present_{cache}_{layer}"], axis=2)
+        def write(cache: str, new: str, heads: int) -> str:
+            """new [T, heads, width] into the cache, row t in sequence cache_sequences[t] at position
+            cache_slots[t], in place; returns the whole updated cache [S, heads, capacity, width]
+            (attention_bias masks what is not in use)."""
+            return g.op("ScatterND", [f"past_{cache}_{layer}", io.write_index(heads), new], [f"present_{cache}_{layer}"])
 
-        keys = write("key", g.op("Reshape", [rotate(k, kv_heads), g.const([1, -1, kv_heads, d])]))
         chunks, width = value_chunks(d)
-        v = g.op("Pad", [g.op("Reshape", [v, g.const([1, -1, kv_heads, d])]), g.const([0, 0, 0, 0, 0, 0, 0, 1]),
+        keys = write("key", g.op("Reshape", [rotate(k, kv_heads), g.const([-1, kv_heads, d])]), kv_heads)
+        v = g.op("Pad", [g.op("Reshape", [v, g.const([-1, kv_heads, d])]), g.const([0, 0, 0, 0, 0, 1]),
                          g.const(1.0, self.p.io_dtype)])
         if chunks * width > d + 1:
-            v = g.op("Pad", [v, g.const([0, 0, 0, 0, 0, 0, 0, chunks * width - d - 1])])
-        values = write("value", g.op("Reshape", [v, g.const([1, -1, kv_heads * chunks, width])]))
-        values = g.op("Reshape", [values, g.const([kv_heads, chunks, -1, width])])
+            v = g.op("Pad", [v, g.const([0, 0, 0, 0, 0, chunks * width - d - 1])])
+        values = write("value", g.op("Reshape", [v, g.const([-1, kv_heads * chunks, width])]), kv_heads * chunks)
+        values = g.op("Reshape", [values, io.shapes["values"]])  # [S, kv, chunks, capacity, width]
         q = g.op("Reshape", [rotate(q, heads), g.const([-1, kv_heads, group * d])])
         if rows > group:
             q = g.op("Concat", [q] * (rows // group), axis=-1)
-        q = g.op("Reshape", [g.op("Transpose", [q], perm=[1, 0, 2]), g.const([1, kv_heads, -1, d])])
+        # Each sequence's rows side by side ([S * M] rows, padded), against its own cache only.
+        q = g.op("Reshape", [g.op("Gather", [q, "row_gather"], axis=0), io.shapes["q_grouped"]])
+        q = g.op("Reshape", [g.op("Transpose", [q], perm=[0, 2, 1, 3]), io.shapes["q_rows"]])  # [S, kv, M*rows, d]
         scores = g.op("FusedMatMul", [q, keys], domain="com.microsoft", transB=1, alpha=float(d ** -0.5))
-        scores = g.op("Add", [g.op("Reshape", [scores, io.scores_shape]), io.row_bias])  # [kv, T, rows, capacity]
+        scores = g.op("Add", [g.op("Reshape", [scores, io.scores_shape]), io.row_bias])  # [S, kv, M, rows, capacity]
         # exp of the scores minus the row max, floored at EXP_FLOOR and zeroed where masked: an exact
         # zero for masked keys, and ONNX Runtime's Exp runs far slower on inputs below about -87 (docs/code-notes.md).
         shifted = g.op("Sub", [scores, g.op("ReduceMax", [scores, g.const([-1])], keepdims=1)])
         probs = g.op("Mul", [g.op("Exp", [g.op("Max", [shifted, g.const(EXP_FLOOR, self.p.io_dtype)])]), io.row_keep])
-        probs = g.op("Reshape", [probs, io.flat_shape])  # [kv, 1, T * rows, capacity], against each chunk
-        pv = g.op("Transpose", [g.op("MatMul", [probs, values])], perm=[0, 2, 1, 3])  # [kv, T * rows, chunks, width]
-        pv = g.op("Reshape", [pv, g.const([kv_heads, -1, chunks * width])])
+        probs = g.op("Reshape", [probs, io.flat_shape])  # [S, kv, 1, M * rows, capacity], against each chunk
+        pv = g.op("Transpose", [g.op("MatMul", [probs, values])], perm=[0, 1, 3, 2, 4])  # [S, kv, M*rows, chunks, w]
+        pv = g.op("Reshape", [pv, io.shapes["pv"]])
         sizes = [d, 1] + ([chunks * width - d - 1] if chunks * width > d + 1 else [])
         weighted, total = g.op("Split", [pv, g.const(sizes)], len(sizes), axis=-1)[:2]
-        out = g.op("Reshape", [g.op("Div", [weighted, total]), g.const([kv_heads, -1, rows * d])])
+        out = g.op("Reshape", [g.op("Div", [weighted, total]), io.shapes["out"]])  # [S, kv, M, rows * d]
         if rows > group:
-            out = g.op("Slice", [out, g.const([0]), g.const([group * d]), g.const([2])])
-        return g.op("Reshape", [g.op("Transpose", [out], perm=[1, 0, 2]), g.const([-1, heads * d])])
+            out = g.op("Slice", [out, g.const([0]), g.const([group * d]), g.const([3])])
+        out = g.op("Reshape", [g.op("Transpose", [out], perm=[0, 2, 1, 3]), g.const([-1, heads * d])])
+        return g.op("Gather", [out, "row_scatter"], axis=0)
 
     def mlp(self, x: str, prefix: str) -> str:
         g = self.g
@@ -425,10 +431,12 @@ class StepInputs:
     sin: str
     exact: bool = False
     # exact attention only
-    scores_shape: str = ""      # [kv_heads, T, query rows, capacity]
-    row_bias: str = ""          # attention_bias as [T, 1, capacity]
-    row_keep: str = ""          # 1 where attention_bias allows a key, else 0, [T, 1, capacity]
-    flat_shape: str = ""        # [kv_heads, 1, T * query rows, capacity]
+    scores_shape: str = ""      # [S, kv_heads, M, query rows, capacity]
+    row_bias: str = ""          # attention_bias as [S, 1, M, 1, capacity]
+    row_keep: str = ""          # 1 where attention_bias allows a key, else 0, as row_bias
+    flat_shape: str = ""        # [S, kv_heads, 1, M * query rows, capacity]
+    write_index: Callable[[int], str] | None = None  # heads -> ScatterND indices [T, heads, 3] of the rows' slots
+    shapes: dict = None         # q_grouped, q_rows, values, pv, out: reshape targets with S, M
 
 
 def value_chunks(head_dim: int) -> tuple[int, int]:
@@ -439,25 +447,32 @@ def value_chunks(head_dim: int) -> tuple[int, int]:
 
 
 def cache_shape(cfg: ModelConfig, kind: str, attention: str) -> list:
-    """[1, kv_heads, max_length, head_dim]. The exact attention's value rows carry one more column,
-    ones (its softmax denominator), and are stored as value_chunks: [1, kv_heads * chunks,
-    max_length, width] (see _exact_attention)."""
-    if kind == "value" and attention == "exact":
+    """[1, kv_heads, max_length, head_dim]. The exact attention's caches hold a batch of sequences,
+    and its value rows carry one more column, ones (its softmax denominator), stored as
+    value_chunks: [sequences, kv_heads * chunks, max_length, width] (see _exact_attention)."""
+    if attention != "exact":
+        return [1, cfg.num_kv_heads, "max_length", cfg.head_dim]
+    if kind == "value":
         chunks, width = value_chunks(cfg.head_dim)
-        return [1, cfg.num_kv_heads * chunks, "max_length", width]
-    return [1, cfg.num_kv_heads, "max_length", cfg.head_dim]
+        return ["sequences", cfg.num_kv_heads * chunks, "max_length", width]
+    return ["sequences", cfg.num_kv_heads, "max_length", cfg.head_dim]
 
 
 def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n_positions: int,
                         attention: str = "fused") -> StepInputs:
-    """Inputs shared by both graphs. With fused attention the attention bias width is the total
-    length (cached tokens + T), so the runtime passes no separate lengths. The exact attention
-    attends over the whole bound cache instead (the bias width is the cache's capacity, unused
-    positions masked) and writes the T new rows at the input cache_position."""
+    """Inputs shared by both graphs. With fused attention the attention bias [1, 1, T, total] has
+    the total length (cached tokens + T) as its width, so the runtime passes no separate lengths.
+
+    The exact attention holds the caches of S sequences, [S, heads, capacity, width], and attends
+    over each sequence's whole cache: a step's T rows (any of the S sequences' rows, in any order)
+    are regrouped into S groups of M rows (row_gather [S * M]: the row at each place, padding rows
+    anything), the attention bias [S, 1, M, capacity] masks what each may not see, and row_scatter
+    [T] puts them back. Row t is written to sequence cache_sequences[t] at position cache_slots[t]."""
     io = b.p.onnx_io
+    exact = attention == "exact"
     g.input("input_ids", TensorProto.INT64, [1, "T"])
     g.input("position_ids", TensorProto.INT64, [1, "T"])
-    g.input("attention_bias", io, [1, 1, "T", "total"])
+    g.input("attention_bias", io, ["S", 1, "M", "total"] if exact else [1, 1, "T", "total"])
     # Rows whose logits are wanted: all tree nodes when verifying, only the last one in a prefill
     # or a draft context pass. The vocabulary projection dominates small models, so this pays.
     g.input("logit_rows", TensorProto.INT64, ["R"])
@@ -472,16 +487,38 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
     # Named by content: base and head share the table when their RoPE agrees, and only then.
     tag = hashlib.sha1(cos.tobytes()).hexdigest()[:12]
     step = StepInputs(seqlens_k, total, g.weight(f"rotary.{tag}.cos", cos), g.weight(f"rotary.{tag}.sin", sin))
-    if attention == "exact":
-        g.input("cache_position", TensorProto.INT64, [1])
-        kv_heads, rows = cfg.num_kv_heads, max(cfg.num_heads // cfg.num_kv_heads, 2)
+    if exact:
+        for name, shape in (("row_gather", ["SM"]), ("row_scatter", ["T"]), ("cache_sequences", ["T"]),
+                            ("cache_slots", ["T"])):
+            g.input(name, TensorProto.INT64, shape)
+        step.write_index = functools.cache(lambda heads: scatter_index(g, heads))
+        kv, rows, d = cfg.num_kv_heads, max(cfg.num_heads // cfg.num_kv_heads, 2), cfg.head_dim
+        chunks, width = value_chunks(d)
+        s64 = g.op("Shape", ["attention_bias"], start=0, end=1)
+        m64 = g.op("Shape", ["attention_bias"], start=2, end=3)
+
+        def shape(*parts) -> str:
+            return g.op("Concat", [p if isinstance(p, str) else g.const(p) for p in parts], axis=0)
+
         step.exact = True
-        step.scores_shape = g.op("Concat", [g.const([kv_heads, -1, rows]), total64], axis=0)
-        step.row_bias = g.op("Reshape", ["attention_bias", g.op("Concat", [g.const([-1, 1]), total64], axis=0)])
+        step.shapes = {"q_grouped": shape(s64, m64, [kv, rows * d]), "q_rows": shape(s64, [kv, -1, d]),
+                       "values": shape(s64, [kv, chunks, -1, width]), "pv": shape(s64, [kv, -1, chunks * width]),
+                       "out": shape(s64, [kv, -1, rows * d])}
+        step.scores_shape = shape(s64, [kv], m64, [rows], total64)
+        step.row_bias = g.op("Reshape", ["attention_bias", shape(s64, [1], m64, [1], total64)])
         masked = np.finfo(b.p.io_dtype).min / 2
         step.row_keep = g.op("Cast", [g.op("Greater", [step.row_bias, g.const(masked, b.p.io_dtype)])], to=io)
-        step.flat_shape = g.op("Concat", [g.const([kv_heads, 1, -1]), total64], axis=0)
+        step.flat_shape = shape(s64, [kv, 1, -1], total64)
     return step
+
+
+def scatter_index(g: Graph, heads: int) -> str:
+    """ScatterND indices [T, heads, 3]: row t of every head to (cache_sequences[t], head, cache_slots[t])."""
+    shape = g.op("Concat", [g.op("Shape", ["cache_slots"]), g.const([heads, 1])], axis=0)
+    parts = [g.op("Reshape", ["cache_sequences", g.const([-1, 1, 1])]),
+             g.const(np.arange(heads, dtype=np.int64).reshape(1, heads, 1)),
+             g.op("Reshape", ["cache_slots", g.const([-1, 1, 1])])]
+    return g.op("Concat", [g.op("Expand", [part, shape]) for part in parts], axis=-1)
 
 
 def declare_cache_outputs(g: Graph, cfg: ModelConfig, io: int, n_layers: int, attention: str = "fused") -> None:
@@ -503,7 +540,7 @@ def build_base(cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str
                store: WeightStore, progress=None, attention: str = "exact", blocks: dict | None = None,
                eagle3_fc: np.ndarray | None = None, int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
     """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
-    past_{key,value}_i (and cache_position with exact attention). Outputs: logits [1,R,V] (fp32),
+    past_{key,value}_i (and cache_slots [T] with exact attention). Outputs: logits [1,R,V] (fp32),
     hidden_states [1,T,H], present_{key,value}_i. `blocks`: precision gguf.
 
     hidden_states is the feature the draft head reads: the post-final-norm hidden states for an
@@ -540,10 +577,11 @@ def build_base(cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str
 
 def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str,
                 n_positions: int, store: WeightStore, draft_vocab: np.ndarray | None = None,
-                int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
+                int8_block: int = INT8_BLOCK, attention: str = "exact") -> onnx.ModelProto:
     """EAGLE-1/2 head. `state` holds the head tensors plus the base's embedding and lm_head.
     Inputs: input_ids, position_ids [1,T]; features [1,T,H]; attention_bias; logit_rows [R];
-    past_{key,value}_0; top_k [1]. Outputs: hidden_states [1,T,H] (fed to the next depth),
+    past_{key,value}_0 (and cache_slots [T] with exact attention, whose rows, as the base's, are
+    computed each on its own: several sequences' draft rows share a step); top_k [1]. Outputs: hidden_states [1,T,H] (fed to the next depth),
     topk_ids [1,R,k] int64, topk_logprobs [1,R,k] fp32 (log-softmax and top-k inside, so only
     small tensors leave the device).
 
@@ -552,7 +590,7 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str
     g = Graph(store)
     b = Builder(g, precision, state, int8_block=int8_block)
     io = b.p.onnx_io
-    step = declare_step_inputs(g, b, head_cfg, 1, n_positions)
+    step = declare_step_inputs(g, b, head_cfg, 1, n_positions, attention)
     g.input("features", io, [1, "T", head_cfg.hidden_size])
     g.input("top_k", TensorProto.INT64, [1])
     feats = g.op("Reshape", ["features", g.const([-1, head_cfg.hidden_size])])
@@ -575,12 +613,13 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str
     g.output("hidden_states", io, [1, "T", head_cfg.hidden_size])
     g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])
     g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
-    declare_cache_outputs(g, head_cfg, io, 1)
+    declare_cache_outputs(g, head_cfg, io, 1, attention)
     return g.model("draft", "EAGLE-1/2 draft head: fc + one decoder layer + base lm_head, top-k inside")
 
 
 def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str,
-                       n_positions: int, store: WeightStore, int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
+                       n_positions: int, store: WeightStore, int8_block: int = INT8_BLOCK,
+                       attention: str = "exact") -> onnx.ModelProto:
     """EAGLE-3 head, the same inputs and outputs as build_draft. `state` holds the head tensors
     (its lm_head renamed eagle3_lm_head.weight, d2t int64) plus the base's embedding. Features are
     H wide: the base graph's fused feature for verified positions, the head's own output for deeper
@@ -589,7 +628,7 @@ def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapp
     b = Builder(g, precision, state, int8_block=int8_block)
     io = b.p.onnx_io
     h = head_cfg.hidden_size
-    step = declare_step_inputs(g, b, head_cfg, 1, n_positions)
+    step = declare_step_inputs(g, b, head_cfg, 1, n_positions, attention)
     g.input("features", io, [1, "T", h])
     g.input("top_k", TensorProto.INT64, [1])
     feats = g.op("Reshape", ["features", g.const([-1, h])])
@@ -610,6 +649,6 @@ def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapp
     g.output("hidden_states", io, [1, "T", h])
     g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])
     g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
-    declare_cache_outputs(g, head_cfg, io, 1)
+    declare_cache_outputs(g, head_cfg, io, 1, attention)
     return g.model("draft", "EAGLE-3 draft head: one layer over [embedding, feature], own norm and lm_head over "
                    "a draft vocabulary, top-k inside")

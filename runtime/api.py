@@ -9,6 +9,7 @@ import numpy as np
 
 from export.artifact import read_manifest
 
+from .batch import FINISHED, Scheduler
 from .engine import Engine
 from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
 from .providers import check_provider
@@ -30,15 +31,25 @@ class GenerationOutput:
 
 
 class Generator:
-    """One artifact loaded for generation. Calls are serialized: one generation at a time."""
+    """One artifact loaded for generation. With parallel=1, calls are serialized: one generation at a
+    time. With parallel=N, up to N generations decode side by side, their base steps batched
+    (runtime/batch.py), from any number of threads."""
 
     def __init__(self, path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
-                 verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None):
+                 verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None,
+                 parallel: int = 1, row_budget: int | None = None):
         check_provider(provider)
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.path = Path(path)
         self.manifest = read_manifest(self.path, verify_checksums)
         self.provider = provider
-        self.engine = Engine(self.path, self.manifest, provider, max_length, threads, device, provider_options)
+        self.engine = Engine(self.path, self.manifest, provider, max_length, threads, device, provider_options,
+                             sequences=parallel)
+        self.scheduler: Scheduler | None = None
+        if parallel > 1:
+            self.scheduler = Scheduler(self.engine, row_budget)
+            self.scheduler.start()
         self.tokenizer = ChatTokenizer(self.path / self.manifest["tokenizer"])
         self.stop_ids = set(self.manifest["stop_token_ids"])
         # The tree used when a call names none: what `python -m runtime tune` chose for this provider,
@@ -110,9 +121,30 @@ class Generator:
         self._owner = None
         self._lock.release()
 
+    def close(self) -> None:
+        """Stop the scheduler of a parallel Generator, cancelling what it decodes."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
     def _run(self, prompt, settings: Settings):
-        """Yield (new token ids, decoder) under the lock."""
+        """A generator of (new token ids, decoder): the scheduler's when there is one (the generation
+        is queued now), else one decoding in the caller's thread under the lock."""
         ids = self._prompt_ids(prompt)
+        if self.scheduler is None:
+            return self._run_alone(ids, settings)
+        return self._receive(self.scheduler.submit(ids, settings, self.stop_ids))
+
+    @staticmethod
+    def _receive(request):
+        try:
+            while (item := request.tokens.get()) is not FINISHED:
+                if isinstance(item, Exception):
+                    raise item
+                yield item, request.decoder
+        finally:
+            request.cancel()  # no effect once it has ended; else it ends at its next step
+
+    def _run_alone(self, ids: list[int], settings: Settings):
         self._acquire()
         try:
             decoder = Decoder(self.engine, ids, settings, self.stop_ids)
@@ -123,8 +155,10 @@ class Generator:
 
     def _output(self, decoder: Decoder, token_ids: list[int], text: str) -> GenerationOutput:
         st = decoder.stats
-        t = dict(self.engine.timings)
-        t["host"] = max(st.total_s - sum(t.values()), 0.0)
+        t = {}
+        if self.scheduler is None:  # batched steps are shared: a generation's own share is not measured
+            t = dict(self.engine.timings)
+            t["host"] = max(st.total_s - sum(t.values()), 0.0)
         t["total"] = st.total_s
         t["first_token"] = st.first_token_s
         decode_s = st.total_s - st.first_token_s
@@ -147,6 +181,16 @@ class Generator:
                              total_tokens=total_tokens, depth=depth, top_k=top_k, lookup=lookup,
                              temperature=temperature, top_p=top_p, sampling_top_k=sampling_top_k, seed=seed,
                              stop=stop, cancel=cancel)
+        return self._drain(events)
+
+    def generate_many(self, prompts: list, **kwargs) -> list[GenerationOutput]:
+        """generate() for each prompt, the same keyword arguments for all; side by side on a
+        Generator loaded with parallel > 1 (each output is the one generate() gives it alone)."""
+        runs = [self.events(p, **kwargs) for p in prompts]  # all queued before any is read
+        return [self._drain(run) for run in runs]
+
+    @staticmethod
+    def _drain(events) -> GenerationOutput:
         while True:
             try:
                 next(events)
@@ -177,10 +221,12 @@ class Generator:
                                   kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+        return self._events(self._run(prompt, settings), stop, cancel)
+
+    def _events(self, run, stop, cancel):
         text = StreamDecoder(self.tokenizer)
         stops = StopStrings([stop] if isinstance(stop, str) else list(stop or []))
         tokens, released, decoder = [], [], None
-        run = self._run(prompt, settings)
         try:
             for new, decoder in run:
                 if cancel is not None and cancel.is_set():
@@ -234,8 +280,14 @@ class Generator:
 
 
 def load(path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
-         verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None) -> Generator:
+         verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None,
+         parallel: int = 1, row_budget: int | None = None) -> Generator:
     """Load an artifact directory made by `python -m export`. provider: cpu, cuda or openvino (ONNX
     Runtime) for ONNX artifacts, with ONNX Runtime `provider_options` (runtime.openvino_options(device,
-    precision_hint) for OpenVINO); ipex or torch for torch artifacts, on `device` (cpu, cuda, xpu)."""
-    return Generator(path, provider, max_length, threads, verify_checksums, device, provider_options)
+    precision_hint) for OpenVINO); ipex or torch for torch artifacts, on `device` (cpu, cuda, xpu).
+    parallel: how many generations may decode side by side, batched (ONNX artifacts with exact
+    attention, on the cpu provider; the others decode one at a time); row_budget: the tree rows of
+    one such step, shared by EAGLE-2's rerank across them (None: each its own tree). More
+    generations than `parallel` wait for one to end."""
+    return Generator(path, provider, max_length, threads, verify_checksums, device, provider_options, parallel,
+                     row_budget)

@@ -48,6 +48,11 @@ class Session(Protocol):
     """Whether hidden states stay on the device: run() returns them, and device_array() makes the
     buffers they are copied into, as device tensors (indexed like numpy arrays)."""
 
+    slotted: bool
+    """Whether the graph holds the caches of several sequences and a step may hold rows of any of
+    them (inputs row_gather, row_scatter, cache_sequences, cache_slots; export/onnx_graph.py). Other
+    graphs hold one sequence and write a step's rows side by side."""
+
     @property
     def capacity(self) -> int:
         """Cache positions the graph attends over now."""
@@ -55,18 +60,19 @@ class Session(Protocol):
     def reserve(self, length: int, shrink: bool = False) -> int:
         """Hold at least `length` positions (with shrink, also not many more); returns the capacity."""
 
-    def run(self, inputs: dict[str, np.ndarray], k: int = 1) -> dict:
-        """One step: `inputs` by name (views of the caller's buffers), k the draft's top-k. Returns
-        the outputs by name, views valid until the next run."""
+    def run(self, inputs: dict[str, np.ndarray], k: int = 1, sequences: tuple[int, int] = (0, 1)) -> dict:
+        """One step: `inputs` by name (views of the caller's buffers), k the draft's top-k, over the
+        caches of sequences [first, end). Returns the outputs by name, views valid until the next run."""
 
-    def move(self, source: np.ndarray, destination: int) -> None:
-        """Cache positions `source` to [destination, destination + n): the compaction of a cycle."""
+    def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
+        """Cache positions `source` of a sequence to [destination, destination + n): the compaction
+        of a cycle."""
 
     def device_array(self, a: np.ndarray):
         """`a` where this session's hidden states live (the array itself on the host)."""
 
     def cache_arrays(self) -> list[np.ndarray]:
-        """The caches as host arrays [1, heads, capacity, width] (host-resident caches only)."""
+        """The caches as host arrays [sequences, heads, capacity, width] (host-resident caches only)."""
 
     def keeps_exactness(self, manifest: dict, matches_decoding: Callable[[], bool]) -> bool:
         """Whether this machine keeps the artifact's claim that verification computes every tree node

@@ -14,16 +14,19 @@ import numpy as np
 
 class HostCaches:
     def __init__(self, dims: list[tuple[int, int]], dtype, cache_length: int, max_tokens: int, bias_dtype,
-                 step: int):
-        """dims: (heads, width) of each cache, laid out [1, heads, capacity, width]; the capacity is a
-        multiple of `step`. Every masked position past those in use is still read, so a smaller step
-        reads less, at the price of a re-layout every `step` positions."""
-        self.dims, self.cache_length, self.step = dims, cache_length, step
+                 step: int, sequences: int = 1):
+        """dims: (heads, width) of each cache, laid out [sequences, heads, capacity, width]; the
+        capacity is a multiple of `step`. Every masked position past those in use is still read, so a
+        smaller step reads less, at the price of a re-layout every `step` positions."""
+        self.cache_length, self.step, self.sequences = cache_length, step, sequences
+        self.dims = [(sequences * h, w) for h, w in dims]  # a sequence's heads follow the one before's
         # Zeroed: positions past those in use are read (masked) and must hold finite numbers.
-        self._stores = [np.zeros(h * cache_length * w, dtype) for h, w in dims]
+        self._stores = [np.zeros(h * cache_length * w, dtype) for h, w in self.dims]
         self._scratch = np.empty(cache_length * max(w for _, w in dims), dtype)
         self._wide_bias = np.empty(max_tokens * cache_length, bias_dtype)
         self._cache_position = np.zeros(1, np.int64)
+        self._rows, self._zeros, self._slots = np.arange(max_tokens), np.zeros(max_tokens, np.int64), np.zeros(
+            max_tokens, np.int64)
         self.capacity = 0
         self.arrays: list[np.ndarray] = []
         self._lay_out(min(step, cache_length))
@@ -38,7 +41,7 @@ class HostCaches:
             for h in (reversed(range(1, heads)) if capacity > old else range(1, heads)):
                 self._scratch[:keep] = store[h * old * width:h * old * width + keep]
                 store[h * capacity * width:h * capacity * width + keep] = self._scratch[:keep]
-            self.arrays.append(store[:heads * capacity * width].reshape(1, heads, capacity, width))
+            self.arrays.append(store[:heads * capacity * width].reshape(self.sequences, -1, capacity, width))
         self.capacity = capacity
 
     def reserve(self, length: int, shrink: bool = False) -> bool:
@@ -52,18 +55,26 @@ class HostCaches:
             return True
         return False
 
-    def step_inputs(self, inputs: dict, t: int) -> dict:
-        """The attention bias [1, 1, t, total] widened to the capacity (positions past total masked)
-        and the position where the t new rows go. Call reserve(total) first."""
+    def step_inputs(self, inputs: dict, t: int, slotted: bool) -> dict:
+        """A step of one sequence (the first), its t rows side by side at the end of the attention
+        bias [1, 1, t, total]: the bias widened to the capacity (positions past total masked), and
+        where the rows go, as cache_position, or for a slotted graph as its grouping of the rows (one
+        sequence of t rows). Call reserve(total) first."""
         bias = inputs["attention_bias"]
         total, width = bias.shape[-1], self.capacity
         wide = self._wide_bias[: t * width].reshape(1, 1, t, width)
         wide[..., :total] = bias
         wide[..., total:] = np.finfo(bias.dtype).min
-        self._cache_position[0] = total - t
-        return {**inputs, "attention_bias": wide, "cache_position": self._cache_position}
+        inputs = {**inputs, "attention_bias": wide}
+        if not slotted:
+            self._cache_position[0] = total - t
+            return {**inputs, "cache_position": self._cache_position}
+        rows = self._rows[:t]
+        self._slots[:t] = rows + (total - t)
+        return {**inputs, "row_gather": rows, "row_scatter": rows, "cache_sequences": self._zeros[:t],
+                "cache_slots": self._slots[:t]}
 
-    def move(self, source: np.ndarray, destination: int) -> None:
-        """Positions `source` to [destination, destination + len(source)) in every cache."""
+    def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
+        """Positions `source` of one sequence to [destination, destination + len(source))."""
         for a in self.arrays:
-            a[:, :, destination:destination + len(source)] = a[:, :, source]
+            a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]

@@ -16,7 +16,7 @@ import numpy as np
 from eagle2 import (DraftPool, NgramIndex, accept_greedy, accept_sampling, graft_chain, process_logits, sample,
                     tree_from_parents)
 
-from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine
+from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine, Rows, Sequence
 
 
 # The lookup matches the last 3 committed tokens and proposes up to 8 tokens when neither the call
@@ -80,10 +80,24 @@ class Stats:
     total_s: float = 0.0
 
 
-class Decoder:
-    """One generation over an Engine. Iterate `tokens()` for lists of new tokens."""
+@dataclass(eq=False)
+class TreeSize:
+    """A drafted pool waiting for its tree's size: `wanted` nodes, root included, unless a scheduler
+    sharing the step among several generations grants fewer (runtime/batch.py). `fixed` trees are
+    granted what they want: a seeded sampled reply must draw what it draws alone."""
+    scores: np.ndarray
+    wanted: int
+    lookup: int                        # rows the lookup branch may add to the tree
+    fixed: bool
 
-    def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int]):
+
+class Decoder:
+    """One generation over an Engine. Iterate `tokens()` for lists of new tokens; or `steps()`, which
+    also yields each graph step it needs (Rows, run by the caller with others' rows: runtime/batch.py)
+    and each tree's size before it goes on."""
+
+    def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int],
+                 seq: Sequence | None = None):
         settings.check(engine)
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
@@ -98,8 +112,11 @@ class Decoder:
                         if settings.speculative and settings.lookup else None)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.finish_reason: str | None = None
-        for key in engine.timings:
-            engine.timings[key] = 0.0
+        self.seq = seq or engine.solo
+        if seq is None:
+            engine.start(len(prompt))
+            for key in engine.timings:
+                engine.timings[key] = 0.0
 
     def _choose(self, logits: np.ndarray) -> int:
         if self.s.temperature == 0:
@@ -113,18 +130,22 @@ class Decoder:
         return accept_sampling(tree, lambda node: process_logits(
             logits[node], self.s.temperature, self.s.sampling_top_k, self.s.top_p), self.rng)
 
-    def _prefill(self) -> int:
-        e, n = self.engine, len(self.prompt)
-        e.start(n)
-        for start in range(0, n, PREFILL_CHUNK):
-            logits = e.prefill(self.prompt[start:start + PREFILL_CHUNK], start)
+    def _prefill(self):
+        e = self.engine
+        for start in range(0, len(self.prompt), PREFILL_CHUNK):
+            part = e.prefill_rows(self.prompt[start:start + PREFILL_CHUNK], start, self.seq)
+            yield part
+            logits = e.finish_prefill(part)
         return self._choose(logits)
 
-    def _draft_context(self, start: int, next_tokens: np.ndarray):
-        out = None
+    def _draft_context(self, start: int, next_tokens: np.ndarray, prompt: bool = False):
+        """Feed the head rows start.. ; return the root's draft row (hidden [1, H], top-k ids, log-probs)."""
+        e = self.engine
         for i in range(0, len(next_tokens), PREFILL_CHUNK):
-            out = self.engine.draft_context(next_tokens[i:i + PREFILL_CHUNK], start + i, self.s.top_k)
-        return out
+            part = e.draft_context_rows(next_tokens[i:i + PREFILL_CHUNK], start + i, self.s.top_k, self.seq, prompt)
+            yield part
+            hidden, ids, logp = e.finish_draft(part)
+        return hidden[-1:], ids[0], logp[0]
 
     def _draft_tree(self, root: int, context: int, head, limit: int):
         """EAGLE-2 expand (depth draft calls) + rerank, plus the prompt-lookup branch.
@@ -133,10 +154,14 @@ class Decoder:
         pool, k = self.pool, self.s.top_k
         pool.reset(root, ids[:k], logp[:k])
         for step in range(self.s.depth):
-            hidden, ids, logp = self.engine.draft_expand(
-                pool.frontier_tokens(), hidden[pool.frontier_parent_rows()], pool.frontier_mask(), context, step, k)
-            pool.expand(ids[:, :k], logp[:, :k])
-        tree = pool.select(min(self.s.total_tokens, limit))
+            part = self.engine.draft_expand_rows(pool.frontier_tokens(), hidden[pool.frontier_parent_rows()],
+                                                 pool.frontier_mask(), context, step, k, self.seq)
+            yield part
+            hidden, ids, logp = self.engine.finish_draft(part)
+            pool.expand(ids, logp)
+        size = yield TreeSize(pool.scores[:pool.size], min(self.s.total_tokens, limit), self.s.lookup,
+                              self.s.temperature > 0 and self.s.seed is not None)
+        tree = pool.select(size)
         if self.history is None:
             return tree
         size = min(len(tree.tokens) + self.s.lookup, limit, MAX_TREE_TOKENS)
@@ -144,14 +169,34 @@ class Decoder:
 
     def tokens(self):
         """Yield lists of newly produced tokens until a stop token, max_new_tokens or max_length."""
+        steps, reply = self.steps(), None
+        while True:
+            try:
+                item = steps.send(reply)
+            except StopIteration:
+                return
+            reply = None
+            if isinstance(item, Rows):
+                self.engine.run([item])
+            elif isinstance(item, TreeSize):
+                reply = item.wanted
+            else:
+                yield item
+
+    def steps(self):
+        """Yield what this generation needs from its caller and the lists of tokens it produces, until
+        a stop token, max_new_tokens or max_length: a step of the base or the draft (Rows: run it,
+        then resume) and the size of each tree (TreeSize: send the size granted)."""
         e, s = self.engine, self.s
-        root = self._prefill()
+        root = yield from self._prefill()
         context = len(self.prompt)
         self.stats.first_token_s = time.perf_counter() - self.stats.start
         yield from self._emit([root])
         if self.history is not None:
             self.history.extend(np.append(self.prompt, root))
-        head = self._draft_context(0, np.append(self.prompt[1:], root)) if s.speculative else None
+        head = None
+        if s.speculative and not self.finish_reason:
+            head = yield from self._draft_context(0, np.append(self.prompt[1:], root), prompt=True)
         while not self.finish_reason:
             # The sequence is context + 1 tokens long; a cycle adds at most as many as it verifies.
             room = e.max_length - (context + 1)
@@ -160,18 +205,20 @@ class Decoder:
                 break
             limit = min(room, e.key_block - context % e.key_block)
             if s.speculative and limit > 1 and s.total_tokens > 1:
-                tree = self._draft_tree(root, context, head, limit)
+                tree = yield from self._draft_tree(root, context, head, limit)
             else:
                 tree = tree_from_parents([root], [-1])
-            accepted, bonus = self._accept(tree, e.verify(tree, context))
-            e.commit(accepted, context)
+            part = e.verify_rows(tree, context, self.seq)
+            yield part
+            accepted, bonus = self._accept(tree, e.finish_verify(part))
+            e.commit(accepted, context, seq=self.seq)
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
             yield from self._emit(new)
             if self.history is not None:
                 self.history.extend(new)
             if s.speculative and not self.finish_reason:
-                head = self._draft_context(context, np.asarray(new, np.int64))
+                head = yield from self._draft_context(context, np.asarray(new, np.int64))
             context += len(accepted)
             root = bonus
 

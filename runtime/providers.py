@@ -26,8 +26,9 @@ def check_target(manifest: dict, provider: str) -> None:
 
 
 def open_session(root: Path, spec: dict, provider: str, device: str, cache_length: int, steps: int, max_k: int,
-                 threads: int | None, provider_options: dict | None = None) -> Session:
+                 threads: int | None, provider_options: dict | None = None, sequences: int = 1) -> Session:
     """One graph of the artifact at `root` (its manifest's graphs[...] entry `spec`) on the provider's backend;
-    `device` places torch sessions (ONNX Runtime's providers choose their own)."""
+    `device` places torch sessions (ONNX Runtime's providers choose their own); caches for `sequences`
+    sequences (more than one: slotted graphs only)."""
     return backend(provider).open(str(root / spec["file"]), spec, provider, device, cache_length, steps, max_k,
-                                  threads, provider_options)
+                                  threads, provider_options, sequences)

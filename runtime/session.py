@@ -104,21 +104,29 @@ class GraphSession:
 
     @classmethod
     def open(cls, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int, max_k: int,
-             threads: int | None, options: dict | None) -> GraphSession:
+             threads: int | None, options: dict | None, sequences: int = 1) -> GraphSession:
         """The backends' common constructor (runtime/providers.py): ONNX Runtime's providers place the
         graph themselves, so `device` is not theirs (OpenVINO's device is one of its options)."""
-        return cls(path, spec, provider, cache_length, max_tokens, max_k, threads, options)
+        return cls(path, spec, provider, cache_length, max_tokens, max_k, threads, options, sequences)
 
     def __init__(self, path: str, spec: dict, provider: str, cache_length: int, max_tokens: int,
-                 max_k: int = 64, threads: int | None = None, provider_options: dict | None = None):
+                 max_k: int = 64, threads: int | None = None, provider_options: dict | None = None,
+                 sequences: int = 1):
         check_provider(provider)
         self.provider = provider
         self.device = DEVICE[provider]
         io = GraphSpec.parse(spec)
-        self.grows = "cache_position" in io.inputs
+        # Exact attention holds the caches of several sequences and writes each row to its own
+        # sequence's slot (cache_sequences, cache_slots; artifacts before it held one sequence and
+        # took one cache_position for the step's rows).
+        self.slotted = "cache_slots" in io.inputs
+        if sequences > 1 and not self.slotted:
+            raise ProviderError("this artifact's graphs hold one sequence at a time (fused attention, or an export "
+                                "before sequence slots): export it again with exact attention to decode several")
+        self.grows = self.slotted or "cache_position" in io.inputs
         if self.grows and provider == "openvino":
-            raise ProviderError("this artifact's exact attention writes its cache with TensorScatter (ONNX opset 24), "
-                                "which onnxruntime-openvino lacks: export with --attention fused for OpenVINO")
+            raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
+                                "does not keep: export with --attention fused for OpenVINO")
         self.session = create_session(path, provider, threads, provider_options)
         self.spec = spec
         self.cache_length = cache_length
@@ -132,8 +140,9 @@ class GraphSession:
                 raise ProviderError("graphs with exact attention run on host memory (provider cpu); "
                                     "export with --attention fused for this provider")
             self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, io.dtypes["attention_bias"],
-                                    CACHE_STEP)
+                                    CACHE_STEP, sequences)
             self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
+            self._bound_range = None  # the sequences whose caches a slotted graph has bound
         else:
             self._bind([ort.OrtValue.ortvalue_from_shape_and_type([1, h, cache_length, w], self.cache_dtype,
                                                                   self.device, 0) for h, w in dims])
@@ -148,6 +157,7 @@ class GraphSession:
     def _bind(self, caches: list) -> None:
         """Bind every cache as both its past_* input and its present_* output."""
         self.caches = caches
+        self._bound_range = None
         for name, value in zip(self.cache_names, caches):
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
@@ -168,9 +178,21 @@ class GraphSession:
         sizes = {"T": t, "R": t if r is None else r, "k": k}
         return [sizes.get(d, d) for d in shape]
 
-    def run(self, inputs: dict[str, np.ndarray], k: int = 1) -> dict[str, np.ndarray]:
+    def _bind_sequences(self, first: int, end: int) -> None:
+        """Bind the caches of sequences [first, end) (a slotted graph's step sees only those)."""
+        if self._bound_range == (first, end):
+            return
+        for name, a in zip(self.cache_names, self.store.arrays):
+            view = a[first:end]
+            for bound in (name, name.replace("past_", "present_")):
+                bind = self.binding.bind_input if bound == name else self.binding.bind_output
+                bind(bound, "cpu", 0, view.dtype, view.shape, _address(view))
+        self._bound_range = (first, end)
+
+    def run(self, inputs: dict[str, np.ndarray], k: int = 1, sequences: tuple[int, int] = (0, 1)) -> dict:
         """Run one step. `inputs` are C-contiguous host arrays (views of the caller's buffers);
-        the cache inputs are already bound. Returns views of the preallocated output buffers."""
+        the cache inputs are already bound (a slotted graph's, for the cache sequences
+        [first, end) its rows belong to). Returns views of the preallocated output buffers."""
         t = inputs["input_ids"].shape[1]
         r = inputs["logit_rows"].shape[0]
         if t > self.max_tokens or k > self.max_k:
@@ -179,7 +201,10 @@ class GraphSession:
         b = self.binding
         if self.grows:
             self.reserve(inputs["attention_bias"].shape[-1])
-            inputs = self.store.step_inputs(inputs, t)
+            if "row_gather" not in inputs:  # one sequence's rows side by side (runtime/caches.py)
+                inputs = self.store.step_inputs(inputs, t, self.slotted)
+            if self.slotted:
+                self._bind_sequences(*sequences)
         for name, arr in inputs.items():
             b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, _address(arr))
         views = {}
@@ -192,16 +217,17 @@ class GraphSession:
         return views
 
     def cache_arrays(self) -> list[np.ndarray]:
-        """The host caches themselves (CPU only), [1, heads, capacity, width] each."""
+        """The host caches themselves (CPU only), [sequences, heads, capacity, width] each."""
         if self.device != "cpu":
             raise RuntimeError("cache_arrays() is only available for host-resident caches")
         return self.store.arrays if self.grows else [v.numpy() for v in self.caches]
 
-    def move(self, source: np.ndarray, destination: int) -> None:
-        """Cache positions `source` to [destination, destination + n): the compaction of a cycle."""
+    def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
+        """Cache positions `source` of a sequence to [destination, destination + n): the compaction of
+        a cycle."""
         if self.compactor is None:
             self.compactor = CacheCompactor(self, self.provider)
-        self.compactor.move(source, destination)
+        self.compactor.move(source, destination, sequence)
 
     def device_array(self, a: np.ndarray) -> np.ndarray:
         return a
@@ -253,11 +279,13 @@ class CacheCompactor:
         self._bound = None  # the target's cache list when last bound (it changes when caches grow)
         self.destination = np.zeros(1, np.int64)
 
-    def move(self, source: np.ndarray, destination: int) -> None:
+    def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
         if self.on_host:
             for a in self.target.cache_arrays():
-                a[:, :, destination:destination + len(source)] = a[:, :, source]
+                a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]
             return
+        if sequence:
+            raise ValueError("device caches hold one sequence")
         self.destination[0] = destination
         b = self.binding
         if self._bound is not self.target.caches:

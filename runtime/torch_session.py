@@ -81,6 +81,8 @@ def _attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block:
 
 
 class TorchSession:
+    slotted = False  # the graphs write a step's rows side by side (cache_position)
+
     @staticmethod
     def check_artifact(manifest: dict, provider: str) -> None:
         """Torch artifacts run on the provider they were exported for."""
@@ -93,8 +95,10 @@ class TorchSession:
 
     @classmethod
     def open(cls, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int, max_k: int,
-             threads: int | None, options: dict | None) -> TorchSession:
-        """The backends' common constructor (runtime/providers.py)."""
+             threads: int | None, options: dict | None, sequences: int = 1) -> TorchSession:
+        """The backends' common constructor (runtime/providers.py); torch graphs hold one sequence."""
+        if sequences != 1:
+            raise ProviderError("torch graphs hold one sequence at a time")
         return cls(path, spec, provider, device, cache_length, max_tokens, max_k, threads, options)
 
     def __init__(self, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int,
@@ -138,7 +142,7 @@ class TorchSession:
             self.caches = [self.torch.from_numpy(a) for a in self.store.arrays]
         return self.capacity
 
-    def run(self, inputs: dict[str, np.ndarray], k: int = 1) -> dict[str, np.ndarray]:
+    def run(self, inputs: dict[str, np.ndarray], k: int = 1, sequences: tuple[int, int] = (0, 1)) -> dict:
         torch = self.torch
         t = inputs["input_ids"].shape[1]
         if t > self.max_tokens or k > self.max_k:
@@ -147,7 +151,7 @@ class TorchSession:
         if not self.grows:
             return self.steps.run(inputs, t, k)
         self.reserve(inputs["attention_bias"].shape[-1])
-        args = {n: torch.from_numpy(a) for n, a in self.store.step_inputs(inputs, t).items()}
+        args = {n: torch.from_numpy(a) for n, a in self.store.step_inputs(inputs, t, slotted=False).items()}
         # optimized_execution(False): TorchScript's profiling executor would run the first calls of each
         # new step size unfused and later ones fused, which round differently (measured); the graph
         # was optimized once, when frozen at export.
@@ -185,8 +189,9 @@ class TorchSession:
         cfg = ModelConfig.from_dict(manifest["model"]["config"])
         return attention_sums_in_order(self.torch, cfg.num_kv_heads, query_rows(cfg), cfg.head_dim + 1, block)
 
-    def move(self, source: np.ndarray, destination: int) -> None:
-        """Cache positions `source` to [destination, destination + n): the compaction of a cycle."""
+    def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
+        """Cache positions `source` to [destination, destination + n): the compaction of a cycle
+        (torch graphs hold one sequence)."""
         if self.grows:
             self.store.move(source, destination)
         else:

@@ -51,14 +51,14 @@ def test_manifest_records_the_draft_vocabulary(reduced):
 def test_draft_proposes_only_its_vocabulary_and_output_is_unchanged(reduced, monkeypatch):
     gen, vocab = reduced
     drafted = []
-    original = gen.engine.draft_expand
+    original = gen.engine.finish_draft
 
-    def spy(*args):
-        out = original(*args)
+    def spy(part):
+        out = original(part)
         drafted.append(out[1].copy())
         return out
 
-    monkeypatch.setattr(gen.engine, "draft_expand", spy)
+    monkeypatch.setattr(gen.engine, "finish_draft", spy)
     for prompt in ("hello world", "The quick brown fox", "Once upon a time"):
         plain = gen.generate(prompt, max_new_tokens=40, speculative=False)
         spec = gen.generate(prompt, max_new_tokens=40, total_tokens=12, depth=4, top_k=4)

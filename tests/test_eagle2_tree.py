@@ -224,3 +224,15 @@ def test_validation():
     for tokens, parents in [([1, 2], [0, 0]), ([1, 2], [-1, 1]), ([1, 2], [-1, 5]), ([1], [-1, 0]), ([], [])]:
         with pytest.raises(ValueError):
             tree_from_parents(tokens, parents)
+
+
+def test_share_rows_gives_each_tree_its_root_then_the_best_nodes_over_all():
+    from eagle2 import share_rows
+    a = np.log([0.9, 0.8, 0.1, 0.05])
+    b = np.log([0.7, 0.2, 0.6])
+    c = np.log([0.01])
+    assert share_rows([a, b, c], [5, 4, 2], 100) == [5, 4, 2]          # room for every tree
+    assert share_rows([a, b, c], [5, 4, 2], 3 + 4) == [3, 3, 1]        # 0.9 0.8 | 0.7 0.6
+    assert share_rows([a, b, c], [3, 4, 2], 3 + 5) == [3, 4, 1]        # a wants only two: b gets 0.2
+    assert share_rows([a, b, c], [5, 4, 2], 2) == [1, 1, 1]            # fewer rows than trees: roots only
+    assert share_rows([], [], 10) == []

@@ -37,27 +37,30 @@ def leftovers(parent: Path) -> list[str]:
 # --- manifest contents -----------------------------------------------------------------------------
 
 def expected_specs(cfg: ModelConfig, head: bool) -> dict:
+    """Both graphs' exact attention holds the caches of S sequences and takes a step's rows regrouped
+    by sequence (row_gather: M rows each, row_scatter back), each row written at its own sequence's
+    position (cache_sequences, cache_slots)."""
     step = [("input_ids", "int64", [1, "T"]), ("position_ids", "int64", [1, "T"]),
-            ("attention_bias", "float32", [1, 1, "T", "total"]), ("logit_rows", "int64", ["R"])]
+            ("attention_bias", "float32", ["S", 1, "M", "total"]), ("logit_rows", "int64", ["R"])]
+    slots = [("row_gather", "int64", ["SM"]), ("row_scatter", "int64", ["T"]), ("cache_sequences", "int64", ["T"]),
+             ("cache_slots", "int64", ["T"])]
 
-    def cache(prefix, n, exact=False):
+    def cache(prefix, n):
         """The exact attention's value rows carry one more column (ones: the softmax denominator), stored
         in chunks of at most 16 columns: 33 as 3 x 11 for these heads of 32."""
-        heads = {"key": cfg.num_kv_heads, "value": cfg.num_kv_heads * (3 if exact else 1)}
-        width = {"key": cfg.head_dim, "value": 11 if exact else cfg.head_dim}
-        return [(f"{prefix}_{kind}_{i}", "float32", [1, heads[kind], "max_length", width[kind]])
+        heads = {"key": cfg.num_kv_heads, "value": cfg.num_kv_heads * 3}
+        width = {"key": cfg.head_dim, "value": 11}
+        return [(f"{prefix}_{kind}_{i}", "float32", ["sequences", heads[kind], "max_length", width[kind]])
                 for i in range(n) for kind in ("key", "value")]
 
-    # The exact attention attends over its whole cache and writes the new rows at cache_position.
-    specs = {"base": {"file": "base.onnx", "inputs": step + cache("past", cfg.num_layers, True)
-                      + [("cache_position", "int64", [1])],
+    specs = {"base": {"file": "base.onnx", "inputs": step + cache("past", cfg.num_layers) + slots,
                       "outputs": [("logits", "float32", [1, "R", cfg.vocab_size]),
                                   ("hidden_states", "float32", [1, "T", cfg.hidden_size])]
-                      + cache("present", cfg.num_layers, True)}}
+                      + cache("present", cfg.num_layers)}}
     if head:
         specs["draft"] = {"file": "draft.onnx",
-                          "inputs": step + cache("past", 1) + [("features", "float32", [1, "T", cfg.hidden_size]),
-                                                                ("top_k", "int64", [1])],
+                          "inputs": step + cache("past", 1) + slots
+                          + [("features", "float32", [1, "T", cfg.hidden_size]), ("top_k", "int64", [1])],
                           "outputs": [("hidden_states", "float32", [1, "T", cfg.hidden_size]),
                                       ("topk_ids", "int64", [1, "R", "k"]),
                                       ("topk_logprobs", "float32", [1, "R", "k"])] + cache("present", 1)}

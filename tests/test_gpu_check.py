@@ -126,7 +126,7 @@ def test_logits_and_hidden_states_stay_on_the_device(fp16_artifact, device_path_
     assert isinstance(logits, DeviceRows) and logits.shape == (3, gen.vocab_size)
     ids = logits[:3].argmax(-1)
     assert isinstance(ids, np.ndarray) and ids.tolist() == np.asarray(logits).argmax(-1).tolist()
-    assert isinstance(e._last_hidden, torch.Tensor)
+    assert isinstance(e.solo.last_hidden, torch.Tensor)
 
 
 def test_compaction_moves_rows_on_the_device():

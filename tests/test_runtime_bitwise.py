@@ -107,7 +107,7 @@ def decode_alone(engine, prompt, tokens):
     for i, token in enumerate(tokens):
         logits = engine.verify(tree_from_parents([token], [-1]), len(prompt) + i)
         engine.commit(np.array([0]), len(prompt) + i)
-    return logits[0].copy(), engine._last_hidden[0].copy()
+    return logits[0].copy(), engine.solo.last_hidden[0].copy()
 
 
 def random_tree(rng, size, vocab):
@@ -128,7 +128,7 @@ def test_every_verified_row_equals_the_token_decoded_alone(generator, size):
         tree = random_tree(rng, size, vocab)
         prefill(engine, prompt)
         logits = engine.verify(tree, context).copy()
-        hidden = engine._last_hidden.copy()
+        hidden = engine.solo.last_hidden.copy()
         for node in rng.permutation(size)[:12]:
             alone_logits, alone_hidden = decode_alone(engine, prompt, tree.tokens[path_to(tree.parents, node)])
             np.testing.assert_array_equal(logits[node], alone_logits, err_msg=f"node {node} of {size}, context {context}")
@@ -201,9 +201,9 @@ def test_trees_never_straddle_a_key_block(generator, monkeypatch):
     engine = generator.engine
     assert engine.key_block <= engine.max_length, "an exact artifact's attention sums keys in blocks"
     steps = []
-    verify = engine.verify
-    monkeypatch.setattr(engine, "verify", lambda tree, context: steps.append((context, len(tree.tokens))) or
-                        verify(tree, context))
+    verify_rows = engine.verify_rows
+    monkeypatch.setattr(engine, "verify_rows", lambda tree, context, seq: steps.append((context, len(tree.tokens)))
+                        or verify_rows(tree, context, seq))
     prompt = [3 + i % 250 for i in range(engine.key_block - 5)]
     generator.generate(prompt, max_new_tokens=40, total_tokens=16, depth=4, top_k=4)
     assert steps and all(c // engine.key_block == (c + t - 1) // engine.key_block for c, t in steps)

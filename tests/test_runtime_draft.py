@@ -43,22 +43,33 @@ def test_every_drafted_node_matches_the_head_on_its_ancestor_chain(name, target,
     engine = gen.engine
     roots = {}  # context -> (hidden, top-k ids) of the root's draft row
     expansions = {}  # context -> [(tokens, features, mask, hidden, top-k ids)], one per step
-    draft_context, draft_expand = engine.draft_context, engine.draft_expand
+    context_rows, expand_rows, finish_draft = engine.draft_context_rows, engine.draft_expand_rows, engine.finish_draft
 
-    def recording_context(next_tokens, start, top_k):
-        hidden, ids, logp = draft_context(next_tokens, start, top_k)
-        roots[start + len(next_tokens)] = (hidden[0].copy(), ids[:top_k].copy())
+    def recording_context_rows(next_tokens, start, top_k, seq, prompt=False):
+        part = context_rows(next_tokens, start, top_k, seq, prompt)
+        part.recorded = ("context", start + len(next_tokens), top_k)
+        return part
+
+    def recording_expand_rows(tokens, features, mask, context, step, top_k, seq):
+        part = expand_rows(tokens, features, mask, context, step, top_k, seq)
+        part.recorded = ("expand", context, step, tokens.copy(), np.array(features), mask.copy(), top_k)
+        return part
+
+    def recording_finish(part):
+        hidden, ids, logp = finish_draft(part)
+        if part.recorded[0] == "context":
+            _, end, top_k = part.recorded
+            roots[end] = (hidden[-1].copy(), ids[0, :top_k].copy())
+        else:
+            _, context, step, tokens, features, mask, top_k = part.recorded
+            steps = expansions.setdefault(context, [])
+            assert len(steps) == step
+            steps.append((tokens, features, mask, hidden.copy(), ids[:, :top_k].copy()))
         return hidden, ids, logp
 
-    def recording_expand(tokens, features, mask, context, step, top_k):
-        hidden, ids, logp = draft_expand(tokens, features, mask, context, step, top_k)
-        steps = expansions.setdefault(context, [])
-        assert len(steps) == step
-        steps.append((tokens.copy(), np.array(features), mask.copy(), hidden.copy(), ids[:, :top_k].copy()))
-        return hidden, ids, logp
-
-    monkeypatch.setattr(engine, "draft_context", recording_context)
-    monkeypatch.setattr(engine, "draft_expand", recording_expand)
+    monkeypatch.setattr(engine, "draft_context_rows", recording_context_rows)
+    monkeypatch.setattr(engine, "draft_expand_rows", recording_expand_rows)
+    monkeypatch.setattr(engine, "finish_draft", recording_finish)
     top_k, depth = 4, 3
     ids = gen.tokenizer.encode(PROMPT)
     out = gen.generate(ids, max_new_tokens=12, total_tokens=30, depth=depth, top_k=top_k)

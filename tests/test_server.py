@@ -66,13 +66,15 @@ def ref(artifact):
 
 
 def _serve(artifact, workers=2, max_queue=8, api_key=None, max_length=MAX_LENGTH, faults=None):
-    pool = srv.load_pool(artifact, workers, max_queue, max_length=max_length, threads=1, fault_hook=faults)
+    """More than one worker: slots of one Generator decoding side by side (the server's default)."""
+    pool = srv.load_pool(artifact, 1, max_queue, max_length=max_length, threads=1, fault_hook=faults,
+                         parallel=workers)
     return pool, srv.ServerThread(srv.create_app(pool, artifact, api_key=api_key))
 
 
 @pytest.fixture(scope="module")
 def live(artifact):
-    """A 2-worker server: (url, pool, faults)."""
+    """A server decoding 2 requests side by side: (url, pool, faults)."""
     faults = Faults()
     pool, thread = _serve(artifact, faults=faults)
     with thread as url:

@@ -1,4 +1,4 @@
-"""`python -m runtime serve` as a real process: concurrent load over several workers, and SIGTERM.
+"""`python -m runtime serve` as a real process: concurrent load decoded side by side, and SIGTERM.
 
 The server runs as a subprocess on 127.0.0.1 (a free port it picks and logs); the client is an
 asyncio httpx client in this process. Every answer is checked against its own request's expected
@@ -125,13 +125,13 @@ def load_requests(ref, n=STREAMS):
     return specs
 
 
-def test_load_32_streams_over_4_workers(artifact, capsys):
+def test_load_32_streams_over_4_parallel_slots(artifact, capsys):
     ref = runtime.load(artifact, max_length=512, threads=1)
     t0 = time.perf_counter()
     specs = load_requests(ref)
     direct_tps = sum(len(s[2].token_ids) for s in specs) / (time.perf_counter() - t0)
     assert len({s[2].text for s in specs}) == len(specs)      # distinct answers: a mix-up would show
-    with server_process(artifact, "--workers", WORKERS, "--max-queue", 64, "--max-length", 512) as (url, proc, log):
+    with server_process(artifact, "--parallel", WORKERS, "--max-queue", 64, "--max-length", 512) as (url, proc, log):
 
         async def stream_loop(client, k, deadline, results):
             j = k
@@ -168,7 +168,8 @@ def test_load_32_streams_over_4_workers(artifact, capsys):
     lat = [r["latency"] for r in results]
     ttft = [r["ttft"] for r in results]
     tokens = sum(len(r["want"].token_ids) for r in results)
-    report = (f"load: {STREAMS} concurrent streams, {WORKERS} workers, {wall:.1f} s: {len(results)} requests, "
+    report = (f"load: {STREAMS} concurrent streams, {WORKERS} decoded side by side, {wall:.1f} s: "
+              f"{len(results)} requests, "
               f"{len(results) / wall:.1f} req/s, {tokens / wall:.0f} generated tokens/s; latency p50 "
               f"{percentile(lat, 50) * 1e3:.0f} ms p99 {percentile(lat, 99) * 1e3:.0f} ms; time to first token p50 "
               f"{percentile(ttft, 50) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms; "
@@ -185,12 +186,12 @@ def test_sigterm_drains_in_flight_requests(artifact, long_prompt):
     prompt = long_prompt(ref, 200)
     specs = [{"prompt": prompt, "max_tokens": 150 + 10 * i, "temperature": 0} for i in range(6)]
     wants = [ref.generate(prompt, max_new_tokens=s["max_tokens"]) for s in specs]
-    with server_process(artifact, "--workers", 1, "--max-queue", 16, "--drain-timeout", 60) as (url, proc, log):
+    with server_process(artifact, "--parallel", 2, "--max-queue", 16, "--drain-timeout", 60) as (url, proc, log):
 
         async def run():
             async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
                 tasks = [asyncio.create_task(stream_completion(client, url, "/v1/completions", s)) for s in specs]
-                # All six are in: one generating, five queued behind it.
+                # All six are in: two decoding side by side, four queued behind them.
                 while True:
                     health = (await client.get(url + "/health")).json()
                     if health["busy"] + health["queued"] == len(specs):
@@ -213,5 +214,5 @@ def test_sigterm_drains_in_flight_requests(artifact, long_prompt):
             assert res["text"] == want.text and res["finish"] == want.finish_reason
         assert proc.wait(30) == 0
     text = "\n".join(log)
-    assert re.search(r"received SIGTERM: draining 1 running and [1-5] queued request\(s\)", text), text
+    assert re.search(r"received SIGTERM: draining [12] running and [0-5] queued request\(s\)", text), text
     assert "drained: 6 generation(s) completed in all, 0 cancelled; exiting" in text, text

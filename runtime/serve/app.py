@@ -96,8 +96,12 @@ def lifespan(state: ServerState):
 
     @contextlib.asynccontextmanager
     async def run(app):
-        log.info("serving model '%s' with %d worker(s), queue %d", state.model_id, len(pool.generators),
-                 pool.max_queue)
+        if pool.scheduler is not None:
+            log.info("serving model '%s': up to %d requests decoded side by side over one copy, queue %d",
+                     state.model_id, len(pool.generators), pool.max_queue)
+        else:
+            log.info("serving model '%s' with %d worker(s), queue %d", state.model_id, len(pool.generators),
+                     pool.max_queue)
         yield
         # uvicorn has stopped accepting connections and waited for the open ones (or timed out).
         left = pool.cancel_all()

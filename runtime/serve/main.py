@@ -13,11 +13,13 @@ import uvicorn
 
 from export.artifact import ArtifactError, read_manifest
 
+from ..batch import can_batch
 from ..session import ProviderError
 from .app import ServerState, create_app
 from .pool import load_pool
 
 log = logging.getLogger("runtime.serve")
+DEFAULT_PARALLEL = 4
 
 
 def uvicorn_server(app, host: str, port: int, drain_timeout: float, log_level: str = "info") -> uvicorn.Server:
@@ -83,7 +85,11 @@ def parser():
     p.add_argument("artifact", help="artifact directory made by python -m export; its name is the model id")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start)")
-    p.add_argument("--workers", type=int, default=1, help="Generators, each running one request at a time")
+    p.add_argument("--parallel", type=int,
+                   help="requests decoded side by side, batched over one copy of the model (default 4 where the "
+                        "artifact can: ONNX with exact attention on the cpu provider; else 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="copies of the model, each decoding one request at a time (for artifacts that cannot batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a worker; more get 429")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--provider", default="cpu", help="cpu, cuda or openvino")
@@ -111,11 +117,20 @@ def main(argv=None) -> int:
     if a.max_queue < 0:
         print("error: --max-queue must be >= 0", flush=True)
         return 2
+    if a.parallel is not None and a.parallel < 1:
+        print("error: --parallel must be >= 1", flush=True)
+        return 2
     if not _is_loopback(a.host) and not a.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", a.host)
+    try:
+        manifest = read_manifest(Path(a.artifact), False)   # fail here, not in every worker or replica
+    except ArtifactError as e:
+        print(f"error: {e}", flush=True)
+        return 1
+    if a.parallel is None:
+        a.parallel = DEFAULT_PARALLEL if a.workers == 1 and can_batch(manifest, a.provider) else 1
     if a.ray:
         try:
-            read_manifest(Path(a.artifact), False)   # fail here, not in every replica
             from .ray import deployment_options, main as ray_main
             deployment_options(a.replicas, a.min_replicas, a.max_replicas, a.replica_cpus)
         except (ArtifactError, ValueError) as e:
@@ -126,7 +141,7 @@ def main(argv=None) -> int:
             return 1
         return ray_main(a)
     try:
-        pool = load_pool(a.artifact, a.workers, a.max_queue, a.provider, a.max_length, a.threads)
+        pool = load_pool(a.artifact, a.workers, a.max_queue, a.provider, a.max_length, a.threads, parallel=a.parallel)
     except (ArtifactError, ProviderError, ValueError, OSError) as e:
         print(f"error: {e}", flush=True)
         return 1

@@ -25,6 +25,13 @@ class _PoolCollector:
         yield GaugeMetricFamily("eagle2_queue_depth", "requests waiting for a worker", value=p.waiting)
         yield GaugeMetricFamily("eagle2_workers_busy", "workers running a generation", value=p.busy)
         yield GaugeMetricFamily("eagle2_workers", "workers (Generators) in this process", value=len(p.generators))
+        if p.scheduler is not None:
+            decoding, waiting = p.scheduler.load
+            yield GaugeMetricFamily("eagle2_batch_sequences", "generations decoding side by side", value=decoding)
+            yield GaugeMetricFamily("eagle2_batch_waiting", "generations waiting for a sequence slot", value=waiting)
+            yield GaugeMetricFamily("eagle2_kv_cache_positions", "positions each sequence slot's KV cache holds now",
+                                    value=p.scheduler.engine.base.capacity)
+            yield CounterMetricFamily("eagle2_batch_steps", "base steps run by the scheduler", value=p.scheduler.steps)
         yield CounterMetricFamily("eagle2_cancelled_generations",
                                   "generations cancelled: the client left, or the drain timed out", value=p.cancelled)
 

@@ -1,5 +1,7 @@
-"""N Generators behind a bounded FIFO. Each generation runs in a worker thread (ONNX Runtime
-releases the GIL) and its text deltas travel to the event loop through an asyncio.Queue."""
+"""N workers behind a bounded FIFO: N slots of one Generator that decodes them side by side
+(runtime/batch.py), or N Generators each decoding one at a time. Each generation is read in a worker
+thread (ONNX Runtime releases the GIL) and its text deltas travel to the event loop through an
+asyncio.Queue."""
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +58,8 @@ def worker_error(e: Exception) -> APIError:
 
 
 class WorkerPool:
-    """N Generators, each used by one job at a time, and a bounded FIFO of jobs waiting for one."""
+    """N workers (Generators, or slots of one parallel Generator), each used by one job at a time, and
+    a bounded FIFO of jobs waiting for one."""
 
     def __init__(self, generators: list, max_queue: int, replica: str | None = None,
                  fault_hook: Callable[[Job], None] | None = None):
@@ -184,11 +187,27 @@ class WorkerPool:
     def shutdown(self) -> None:
         self.cancel_all()
         self._executor.shutdown(wait=True)
+        for gen in {id(g): g for g in self.generators}.values():
+            gen.close()
+
+    @property
+    def scheduler(self):
+        """The batching scheduler of a pool of parallel slots over one Generator (else None)."""
+        return self.generators[0].scheduler
 
 
 def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max_length: int | None = None,
-              threads: int | None = None, replica: str | None = None, fault_hook=None) -> WorkerPool:
-    """N Generators, each with its own graphs and caches; threads per worker default to cores / N."""
+              threads: int | None = None, replica: str | None = None, fault_hook=None,
+              parallel: int = 1) -> WorkerPool:
+    """parallel > 1: one Generator (one copy of the model) decoding up to `parallel` requests side by
+    side, batched. Else N Generators (workers), each with its own graphs and caches, each running one
+    request at a time; threads per worker default to cores / N."""
+    if parallel > 1:
+        if workers > 1:
+            raise ValueError("--parallel decodes requests side by side over one copy of the model and --workers "
+                             "loads one copy per worker: choose one")
+        gen = load(artifact, provider=provider, max_length=max_length, threads=threads, parallel=parallel)
+        return WorkerPool([gen] * parallel, max_queue, replica=replica, fault_hook=fault_hook)
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     gens = [load(artifact, provider=provider, max_length=max_length, threads=threads) for _ in range(workers)]
     return WorkerPool(gens, max_queue, replica=replica, fault_hook=fault_hook)

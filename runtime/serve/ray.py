@@ -45,10 +45,12 @@ GRACEFUL_SHUTDOWN_S = 30               # a stopping replica waits this long for 
 @serve.ingress()                      # the ASGI app is built per replica, after __init__
 class EagleReplica:
     def __init__(self, artifact: str, provider: str = "cpu", max_length: int | None = None,
-                 threads: int | None = None, max_queue: int = MAX_ONGOING, api_key: str | None = None):
+                 threads: int | None = None, max_queue: int = MAX_ONGOING, api_key: str | None = None,
+                 parallel: int = 1):
         replica = serve.get_replica_context().replica_id.to_full_id_str()
         self.artifact, self.api_key = artifact, api_key
-        self.pool = load_pool(artifact, 1, max_queue, provider, max_length, threads or 1, replica=replica)
+        self.pool = load_pool(artifact, 1, max_queue, provider, max_length, threads or 1, replica=replica,
+                              parallel=parallel)
         log.info("replica %s loaded %s", replica, artifact)
 
     def __serve_build_asgi_app__(self):
@@ -79,12 +81,13 @@ def deployment_options(replicas: int = 1, min_replicas: int | None = None, max_r
 
 def application(artifact, provider: str = "cpu", max_length: int | None = None, max_queue: int = MAX_ONGOING,
                 api_key: str | None = None, replicas: int = 1, min_replicas: int | None = None,
-                max_replicas: int | None = None, replica_cpus: float = 1.0):
-    """The bound Ray Serve application (pass it to serve.run)."""
+                max_replicas: int | None = None, replica_cpus: float = 1.0, parallel: int = 1):
+    """The bound Ray Serve application (pass it to serve.run); each replica decodes up to `parallel`
+    requests side by side."""
     threads = max(1, int(replica_cpus))
     options = deployment_options(replicas, min_replicas, max_replicas, replica_cpus)
     return EagleReplica.options(**options).bind(str(os.path.abspath(artifact)), provider, max_length, threads,
-                                                max_queue, api_key)
+                                                max_queue, api_key, parallel)
 
 
 def build_app(args: dict):
@@ -96,7 +99,8 @@ def build_app(args: dict):
     return application(args["artifact"], provider=args.get("provider", "cpu"), max_length=num("max_length", int),
                         max_queue=num("max_queue", int) or MAX_ONGOING, api_key=args.get("api_key"),
                         replicas=num("replicas", int) or 1, min_replicas=num("min_replicas", int),
-                        max_replicas=num("max_replicas", int), replica_cpus=num("replica_cpus", float) or 1.0)
+                        max_replicas=num("max_replicas", int), replica_cpus=num("replica_cpus", float) or 1.0,
+                        parallel=num("parallel", int) or 1)
 
 
 def main(a) -> int:
@@ -110,7 +114,7 @@ def main(a) -> int:
         signal.signal(sig, lambda s, f: stop.set())
     serve.start(http_options={"host": a.host, "port": a.port})
     app = application(a.artifact, a.provider, a.max_length, a.max_queue, a.api_key, a.replicas, a.min_replicas,
-                      a.max_replicas, a.replica_cpus)
+                      a.max_replicas, a.replica_cpus, a.parallel)
     serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"Ray Serve application '{APP_NAME}' running on http://{a.host}:{a.port}", flush=True)
     while not stop.wait(0.5):

@@ -1,0 +1,245 @@
+"""Continuous batching: many generations over one engine, their steps packed into one graph call.
+
+One thread runs the Scheduler. Every generation runs until it needs a graph step: the draft's (its
+context rows, or one frontier of its tree) or the base's (a prompt chunk, or its tree to verify).
+Each step of a graph holds the rows of every generation waiting for it, each row attending only to
+its own sequence (runtime/engine.Engine.run); between the draft's steps and the base's, EAGLE-2's
+rerank may share the base step's rows among the trees (row_budget). Generations join between steps
+when one of the engine's sequence slots is free, first come first served, and leave when they end.
+
+A step holds at most the engine's step_rows rows: the generations whose rows do not fit wait for
+the next step, those that waited first going first. Prompt chunks go in steps of their own, so that
+a long prompt neither stalls the others nor pads their rows. Since every row is computed as it would
+be alone, each generation's tokens are those it gets decoded alone, greedy or with a seed.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from eagle2 import share_rows
+
+from .engine import Engine, NoRoom, Rows
+from .generation import Decoder, PromptTooLongError, Settings, TreeSize
+
+FINISHED = None  # the queue's last item
+log = logging.getLogger("runtime.batch")
+
+
+def can_batch(manifest: dict, provider: str) -> bool:
+    """Whether an artifact decodes sequences side by side on this provider: its base graph writes each
+    row at its own cache slot, in host caches (ONNX exact attention, provider cpu)."""
+    base = manifest["graphs"]["base"]
+    return (manifest.get("target", "onnx") == "onnx" and provider == "cpu"
+            and any(i["name"] == "cache_slots" for i in base["inputs"]))
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    settings: Settings
+    stop_ids: set[int]
+    tokens: queue.Queue = field(default_factory=queue.Queue)  # lists of new tokens, then an exception or FINISHED
+    decoder: Decoder | None = None
+    steps: object = None               # the decoder's steps() generator
+    pending: Rows | TreeSize | None = None
+    waited: int = 0                    # steps its pending rows have waited
+    abandoned: bool = False
+
+    def cancel(self) -> None:
+        """End the generation at its next step (nobody reads it any more)."""
+        self.abandoned = True
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, row_budget: int | None = None):
+        """row_budget: tree rows of one verify step for all generations (None: each its own tree; the
+        step's rows are still at most the engine's step_rows)."""
+        if not engine.slotted:
+            raise ValueError("this artifact's graphs hold one sequence at a time (fused attention, a torch graph, or "
+                             "an export before sequence slots): re-export it to decode sequences side by side")
+        self.engine, self.row_budget = engine, row_budget
+        engine.release_solo()  # its slot goes to the scheduler's sequences
+        self._waiting: list[Request] = []
+        self._active: list[Request] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        self.rows = 0            # rows of all the base steps run
+
+    # --- requests ---------------------------------------------------------------------------
+    def submit(self, prompt: list[int], settings: Settings, stop_ids: set[int]) -> Request:
+        """Queue a generation; its token lists arrive on request.tokens. Bad settings and prompts
+        raise here, in the caller's thread."""
+        e = self.engine
+        settings.check(e)
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= e.max_length:
+            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but max_length is {e.max_length}: "
+                                     "it must leave room for at least one new token")
+        request = Request(list(prompt), settings, stop_ids)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the scheduler is stopped")
+            self._waiting.append(request)
+            self._lock.notify()
+        return request
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(generations decoding, generations waiting for a slot)."""
+        with self._lock:
+            return len(self._active), len(self._waiting)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="eagle2-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel every generation and end the loop."""
+        with self._lock:
+            self._stopping = True
+            for r in self._waiting + self._active:
+                r.cancel()
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._waiting or self._active or self._stopping):
+                    self._lock.wait()
+                if self._stopping and not (self._waiting or self._active):
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a fault of the scheduler itself: fail what it holds, keep serving
+                log.error("the scheduler's step failed", exc_info=e)
+                for r in list(self._active):
+                    self._end(r, e)
+
+    def run_until_idle(self) -> None:
+        """Step in the caller's thread until every submitted generation has ended."""
+        while True:
+            with self._lock:
+                if not (self._waiting or self._active):
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """Admit what fits; then draft steps until every generation waits for the base (each draft
+        step holds every generation's next draft rows; trees are sized between them); then one base
+        step. Each generation goes on to its next step's rows as soon as its outputs are in."""
+        self._admit()
+        for r in list(self._active):
+            if r.pending is None:
+                self._advance(r)
+        while True:
+            sizing = [r for r in self._active if isinstance(r.pending, TreeSize)]
+            for r, size in zip(sizing, self._tree_sizes([r.pending for r in sizing])):
+                r.pending = None
+                self._advance(r, size)
+            if not self._run("draft"):
+                break
+        self._run("base")
+
+    def _run(self, graph: str) -> bool:
+        """Steps of `graph` over the rows waiting for it that fit: trees and draft frontiers in one,
+        prompt chunks in another (those that waited first go first); whether any ran."""
+        ran = False
+        for prompt in (False, True):
+            ready = sorted((r for r in self._active if isinstance(r.pending, Rows) and r.pending.graph == graph
+                            and r.pending.prompt == prompt), key=lambda r: -r.waited)
+            parts, rows = [], 0
+            for r in ready:
+                if rows + r.pending.rows <= self.engine.step_rows:
+                    parts.append(r)
+                    rows += r.pending.rows
+                else:
+                    r.waited += 1
+            if not parts:
+                continue
+            ran = True
+            try:
+                self.engine.run([r.pending for r in parts])
+            except Exception as e:  # the step failed: every generation in it gets the error
+                for r in parts:
+                    self._end(r, e)
+                continue
+            if graph == "base":
+                self.steps += 1
+                self.rows += rows
+            for r in parts:
+                r.pending, r.waited = None, 0
+                self._advance(r)
+        return ran
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting:
+                r = self._waiting[0]
+                if r.abandoned:
+                    self._waiting.pop(0)
+                    r.tokens.put(FINISHED)
+                    continue
+                try:
+                    seq = self.engine.open_sequence()
+                except NoRoom:
+                    break
+                self._waiting.pop(0)
+                try:
+                    r.decoder = Decoder(self.engine, r.prompt, r.settings, r.stop_ids, seq=seq)
+                except Exception as e:  # settings this generation cannot run with (a bad seed, say)
+                    self.engine.close_sequence(seq)
+                    r.tokens.put(e)
+                    continue
+                r.steps = r.decoder.steps()
+                self._active.append(r)
+
+    def _tree_sizes(self, trees: list[TreeSize]) -> list[int]:
+        """Each tree's size: what it wants, or within row_budget its share of the step by EAGLE-2's
+        rerank across the trees (eagle2.share_rows); fixed trees and lookup branches come first."""
+        if self.row_budget is None:
+            return [t.wanted for t in trees]
+        shared = [t for t in trees if not t.fixed]
+        budget = self.row_budget - sum(t.wanted for t in trees if t.fixed) - sum(t.lookup for t in trees)
+        sizes = iter(share_rows([t.scores for t in shared], [t.wanted for t in shared], budget))
+        return [t.wanted if t.fixed else next(sizes) for t in trees]
+
+    def _advance(self, r: Request, reply=None) -> None:
+        """Run r's generation up to its next base step or tree size (or its end)."""
+        try:
+            while True:
+                if r.abandoned and not r.decoder.finish_reason:
+                    r.decoder.finish("cancelled")
+                item = r.steps.send(reply)
+                reply = None
+                if isinstance(item, (Rows, TreeSize)):
+                    r.pending = item
+                    return
+                r.tokens.put(item)
+        except StopIteration:
+            self._end(r, FINISHED)
+        except Exception as e:  # this generation's fault only
+            self._end(r, e)
+
+    def _end(self, r: Request, last) -> None:
+        r.pending = None
+        if r.steps is not None:
+            r.steps.close()
+        self.engine.close_sequence(r.decoder.seq)
+        with self._lock:
+            if r in self._active:
+                self._active.remove(r)
+            idle = not self._active
+        if idle:
+            self.engine.shrink()  # the next steps read no more cache than their own sequences need
+        r.tokens.put(last)

@@ -1,0 +1,201 @@
+"""Generations decoded side by side (runtime/batch.py) over one engine: each sequence's rows in a
+shared step of the base or the draft are bitwise the rows it gets alone, whatever slot of the caches
+it holds and whatever else shares the step (beyond 128 rows too), so every generation's tokens are
+those generate() gives it alone: greedy, and sampled with a seed."""
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+from eagle2 import tree_from_parents
+from export.onnx_export import export_onnx
+from export.onnx_graph import EXACT_KEY_BLOCK
+from models.cpu import int8_dot_products
+from models.registry import load_checkpoint
+from runtime.engine import NoRoom
+from runtime.generation import PromptTooLongError
+
+BLOCK = EXACT_KEY_BLOCK
+MAX_LENGTH = 2 * BLOCK
+
+
+def random_tree(rng, size, vocab):
+    parents = np.array([-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, size)])
+    return tree_from_parents(rng.integers(0, vocab, size), parents)
+
+
+@pytest.fixture(scope="module", params=["fp32", "int8", "w8a8"])
+def pair(request, tmp_path_factory):
+    """The same artifact loaded twice: one generation at a time, and four side by side."""
+    if request.param == "w8a8" and not int8_dot_products():
+        pytest.skip("w8a8 artifacts need VNNI or AMX, which this CPU lacks (the runtime refuses them)")
+    path = tmp_path_factory.mktemp("batch") / request.param
+    export_onnx(load_checkpoint("tiny-llama"), path, request.param, max_length=MAX_LENGTH, verify=False,
+                log=lambda m: None)
+    alone, batched = runtime.load(path), runtime.load(path, parallel=4)
+    yield alone, batched
+    batched.close()
+
+
+def test_rows_of_a_shared_step_equal_the_rows_decoded_alone(pair):
+    """Three sequences in slots 1-3 (slot 0 left free, so the step binds part of the caches), their
+    prompts prefilled side by side, then one step verifying trees of 100, 60 and 90 nodes (250 rows),
+    one at the end of a key block and one past it, and one draft step over three frontiers: every
+    logit, hidden and top-k row equals its sequence's step alone."""
+    alone, batched = pair
+    e, vocab = batched.engine, batched.vocab_size
+    rng = np.random.default_rng(0)
+    contexts, sizes = (BLOCK - 100, 200, BLOCK + 76), (100, 60, 90)
+    assert batched.scheduler.load == (0, 0)  # idle: this test drives the engine itself
+    spare = e.open_sequence()
+    seqs = [e.open_sequence() for _ in contexts]
+    e.close_sequence(spare)
+    assert [s.slot for s in seqs] == [1, 2, 3]
+    prompts = [rng.integers(0, vocab, c) for c in contexts]
+    trees = [random_tree(rng, s, vocab) for s in sizes]
+    def side_by_side(make, finish):
+        """Chunks of 128 rows of every sequence, two sequences a step (a step holds 256 rows)."""
+        for start in range(0, max(contexts), 128):
+            parts = [make(p, start, s) for p, s in zip(prompts, seqs) if start < len(p)]
+            for two in (parts[:2], parts[2:]):
+                if two:
+                    e.run(two)
+                    for part in two:
+                        finish(part)
+
+    side_by_side(lambda p, start, s: e.prefill_rows(p[start:start + 128], start, s), e.finish_prefill)
+    # The head's context (token j+1 with feature j), as the decoder feeds it after a prefill.
+    side_by_side(lambda p, start, s: e.draft_context_rows(np.append(p[1:], 7)[start:start + 128], start, 4, s),
+                 lambda part: None)
+    parts = [e.verify_rows(t, c, s) for t, c, s in zip(trees, contexts, seqs)]
+    e.run(parts)
+    assert sum(p.rows for p in parts) > 128
+    together = [(p.outputs["logits"].copy(), np.array(p.outputs["hidden"])) for p in parts]
+    k = 4
+    frontiers = [(rng.integers(0, vocab, k), rng.standard_normal((k, e.hidden_size)).astype(np.float32))
+                 for _ in seqs]
+    mask = np.eye(k, dtype=bool)
+    drafts = [e.draft_expand_rows(tokens, features, mask, c, 0, k, s)
+              for (tokens, features), c, s in zip(frontiers, contexts, seqs)]
+    e.run(drafts)
+    drafted = [tuple(np.array(x) for x in e.finish_draft(d)) for d in drafts]
+    for prompt, tree, (logits, hidden), (tokens, features), draft in zip(prompts, trees, together, frontiers,
+                                                                         drafted):
+        for start in range(0, len(prompt), 128):
+            alone.engine.prefill(prompt[start:start + 128], start)
+        for start in range(0, len(prompt), 128):
+            alone.engine.draft_context(np.append(prompt[1:], 7)[start:start + 128], start, 4)
+        np.testing.assert_array_equal(logits, alone.engine.verify(tree, len(prompt)))
+        np.testing.assert_array_equal(hidden, alone.engine.solo.last_hidden)
+        for got, want in zip(draft, alone.engine.draft_expand(tokens, features, mask, len(prompt), 0, k)):
+            np.testing.assert_array_equal(got, want)
+    for s in seqs:
+        e.close_sequence(s)
+    assert e.open_sequences == 0
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "hi",
+           "List three prime numbers and explain why each is prime.", "Translate 'good morning' into German.",
+           "Why is the sky blue? Answer in one sentence."]
+
+
+@pytest.mark.parametrize("tree", [dict(speculative=False), dict(total_tokens=8, depth=3, top_k=2, lookup=0),
+                                  dict(total_tokens=24, depth=5, top_k=4, lookup=4)])
+def test_greedy_outputs_equal_generating_each_alone(pair, tree):
+    alone, batched = pair
+    want = [alone.generate(p, max_new_tokens=40, **tree) for p in PROMPTS]
+    got = batched.generate_many(PROMPTS, max_new_tokens=40, **tree)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.text for g in got] == [w.text for w in want]
+    assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+
+
+def test_seeded_samples_equal_generating_each_alone(pair):
+    """A seed gives the same reply whatever runs beside it: the draft trees, and so the random
+    draws of the acceptance walk, are those of the generation alone."""
+    alone, batched = pair
+    settings = [dict(temperature=0.8, seed=i, top_p=0.95 if i % 2 else 1.0) for i in range(len(PROMPTS))]
+    want = [alone.generate(p, max_new_tokens=40, **s) for p, s in zip(PROMPTS, settings)]
+    runs = [batched.events(p, max_new_tokens=40, **s) for p, s in zip(PROMPTS, settings)]
+    got = [batched._drain(r) for r in runs]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_stop_strings_and_threads(pair):
+    """Requests from several threads at once, with stop strings: each answer is its alone answer."""
+    alone, batched = pair
+    stop = [" the", "."]
+    want = [alone.generate(p, max_new_tokens=30, stop=stop) for p in PROMPTS]
+    got = [None] * len(PROMPTS)
+
+    def ask(i):
+        got[i] = batched.generate(PROMPTS[i], max_new_tokens=30, stop=stop)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [(g.text, g.finish_reason) for g in got] == [(w.text, w.finish_reason) for w in want]
+
+
+def test_more_requests_than_slots_wait_and_cancelled_ones_give_their_slot_back(tmp_path):
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=256, verify=False,
+                log=lambda m: None)
+    alone, batched = runtime.load(tmp_path / "a"), runtime.load(tmp_path / "a", parallel=2)
+    try:
+        long = list(range(3, 200))
+        want = alone.generate(long, max_new_tokens=50)
+        runs = [batched.events(long, max_new_tokens=50) for _ in range(5)]
+        assert batched.scheduler.load[0] <= 2
+        assert [batched._drain(r).token_ids for r in runs] == [want.token_ids] * 5
+        with pytest.raises(NoRoom):
+            [batched.engine.open_sequence() for _ in range(3)]
+        for slot in range(2):
+            batched.engine.close_sequence(type("S", (), {"slot": slot})())
+        cancelled = batched.events(long, max_new_tokens=50)
+        next(cancelled)
+        cancelled.close()
+        done = batched.generate(long, max_new_tokens=50)
+        assert done.token_ids == want.token_ids
+        assert batched.scheduler.load == (0, 0) and batched.engine.open_sequences == 0
+        with pytest.raises(PromptTooLongError):
+            batched.generate(list(range(3, 259)))
+        with pytest.raises(ValueError):                 # its own fault only: the scheduler goes on
+            batched.generate(long, max_new_tokens=5, temperature=0.5, seed=-1)
+        assert batched.generate(long, max_new_tokens=50).token_ids == want.token_ids
+    finally:
+        batched.close()
+
+
+def test_graphs_that_hold_one_sequence_refuse_parallel(tiny_artifact, tmp_path):
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "fused", "fp32", max_length=256, verify=False,
+                attention="fused", log=lambda m: None)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        runtime.load(tmp_path / "fused", parallel=2)
+
+
+def test_a_row_budget_shares_each_step_and_keeps_every_output(tmp_path, monkeypatch):
+    """With 12 tree rows a step for four generations that each want 12, EAGLE-2's rerank across the
+    trees decides who verifies what: greedy replies stay those alone, and seeded sampled ones keep
+    the tree they get alone (theirs is not shared)."""
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=256, verify=False,
+                log=lambda m: None)
+    alone, batched = runtime.load(tmp_path / "a"), runtime.load(tmp_path / "a", parallel=4, row_budget=12)
+    verify_rows = []
+    run = batched.engine.run
+    monkeypatch.setattr(batched.engine, "run", lambda parts: verify_rows.append(
+        sum(p.rows for p in parts if p.kind == "verify")) or run(parts))
+    try:
+        tree = dict(total_tokens=12, depth=4, top_k=3, lookup=0)
+        want = [alone.generate(p, max_new_tokens=30, **tree) for p in PROMPTS]
+        assert [g.token_ids for g in batched.generate_many(PROMPTS, max_new_tokens=30, **tree)] == \
+            [w.token_ids for w in want]
+        assert max(verify_rows) <= 12 < 4 * 12
+        sampled = dict(tree, temperature=0.7, seed=5)
+        want = [alone.generate(p, max_new_tokens=30, **sampled) for p in PROMPTS]
+        assert [g.token_ids for g in batched.generate_many(PROMPTS, max_new_tokens=30, **sampled)] == \
+            [w.token_ids for w in want]
+    finally:
+        batched.close()

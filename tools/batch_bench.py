@@ -1,0 +1,98 @@
+"""Throughput of generations decoded side by side (runtime/batch.py) against the same requests one
+after another, in one run on one machine: generated tokens per second of wall time by concurrency,
+with and without a row budget shared across the batch, each reply checked equal to its reply alone.
+
+    python -m runtime.batch_bench ARTIFACT [--prompts mtbench:2] [--concurrency 1,2,4,8]
+                                  [--row-budgets none,16,32] [--max-new-tokens 96] [--json out.json]
+
+Concurrency c keeps c requests in flight (c client threads) on one Generator loaded with
+parallel = the largest c; "one at a time" is the same requests through generate() on a Generator
+loaded without it. Greedy. Nothing else may run on the machine meanwhile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+import runtime
+from models.cpu import cpu_name
+from runtime.prompts import load_prompts
+
+
+def _budget(text: str) -> int | None:
+    return None if text == "none" else int(text)
+
+
+def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | None], max_new: int,
+        threads: int | None = None) -> dict:
+    alone = runtime.load(artifact, threads=threads)
+    prompts = [alone.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
+               for p in load_prompts(prompt_spec)]
+    start = time.perf_counter()
+    want = [alone.generate(p, max_new_tokens=max_new) for p in tqdm(prompts, desc="one at a time", file=sys.stderr)]
+    sequential_s = time.perf_counter() - start
+    tokens = sum(len(w.token_ids) for w in want)
+    rows = [{"mode": "one at a time", "concurrency": 1, "row_budget": None, "seconds": sequential_s,
+             "tokens_per_s": tokens / sequential_s, "vs_one_at_a_time": 1.0, "rows_per_step": None}]
+    del alone
+    for budget in budgets:
+        gen = runtime.load(artifact, threads=threads, parallel=max(levels), row_budget=budget)
+        for c in levels:
+            steps, step_rows = gen.scheduler.steps, gen.scheduler.rows
+            start = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                got = list(tqdm(pool.map(lambda p: gen.generate(p, max_new_tokens=max_new), prompts),
+                                total=len(prompts), desc=f"{c} side by side, budget {budget}", file=sys.stderr))
+            seconds = time.perf_counter() - start
+            mismatched = sum(g.token_ids != w.token_ids for g, w in zip(got, want))
+            if mismatched:
+                raise SystemExit(f"{mismatched} replies differ from their reply alone (concurrency {c})")
+            ran = gen.scheduler.steps - steps
+            rows.append({"mode": "side by side", "concurrency": c, "row_budget": budget, "seconds": seconds,
+                         "tokens_per_s": tokens / seconds, "vs_one_at_a_time": sequential_s / seconds,
+                         "rows_per_step": (gen.scheduler.rows - step_rows) / ran if ran else None})
+        gen.close()
+    return {"artifact": str(artifact), "machine": cpu_name(), "prompts": prompt_spec, "requests": len(prompts),
+            "max_new_tokens": max_new, "generated_tokens": tokens, "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['requests']} requests ({result['prompts']}), {result['max_new_tokens']} new tokens at most, "
+             f"greedy, {result['generated_tokens']} tokens in all; {result['machine']}", "",
+             "| decoding | concurrency | row budget | rows a step | tokens/s | vs one at a time |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        per_step = f"{r['rows_per_step']:.1f}" if r["rows_per_step"] else "-"
+        budget = "-" if r["mode"] == "one at a time" else (r["row_budget"] or "none")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {budget} | {per_step} | {r['tokens_per_s']:.1f} | "
+                     f"{r['vs_one_at_a_time']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.batch_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact")
+    p.add_argument("--prompts", default="mtbench:2", help="a prompt set (runtime/prompts.py)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="requests in flight, comma-separated")
+    p.add_argument("--row-budgets", default="none", help="tree rows a step for all ('none': each its own tree)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args(argv)
+    levels = [int(c) for c in a.concurrency.split(",")]
+    result = run(a.artifact, a.prompts, levels, [_budget(b) for b in a.row_budgets.split(",")], a.max_new_tokens,
+                 a.threads)
+    print(table(result))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
