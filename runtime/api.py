@@ -153,7 +153,9 @@ class Generator:
         finally:
             self._release()
 
-    def _output(self, decoder: Decoder, token_ids: list[int], text: str) -> GenerationOutput:
+    def _output(self, decoder: Decoder, token_ids: list[int], text: str, cycles: int) -> GenerationOutput:
+        """`cycles`: the verify cycles whose tokens the caller took (a scheduler's decoder may have run
+        one more before it saw a stop string's finish)."""
         st = decoder.stats
         t = {}
         if self.scheduler is None:  # batched steps are shared: a generation's own share is not measured
@@ -164,7 +166,8 @@ class Generator:
         decode_s = st.total_s - st.first_token_s
         t["tokens_per_s"] = (len(token_ids) - 1) / decode_s if decode_s > 0 and len(token_ids) > 1 else 0.0
         return GenerationOutput(text=text, token_ids=token_ids,
-                                finish_reason=decoder.finish_reason, accept_lengths=st.accept_lengths, timings=t)
+                                finish_reason=decoder.finish_reason, accept_lengths=st.accept_lengths[:max(cycles, 0)],
+                                timings=t)
 
     def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
@@ -227,11 +230,13 @@ class Generator:
         text = StreamDecoder(self.tokenizer)
         stops = StopStrings([stop] if isinstance(stop, str) else list(stop or []))
         tokens, released, decoder = [], [], None
+        cycles = -1  # the first list is the prefill's token
         try:
             for new, decoder in run:
                 if cancel is not None and cancel.is_set():
                     decoder.finish("cancelled")
                     break
+                cycles += 1
                 before = len(tokens)
                 tokens.extend(new)
                 delta = stops.push(text.push(new))
@@ -249,7 +254,7 @@ class Generator:
             released.append(tail)
             if tail:
                 yield tail, []
-        return self._output(decoder, tokens, "".join(released))
+        return self._output(decoder, tokens, "".join(released), cycles)
 
     def _stop_end(self, tokens: list[int], before: int, stops: list[str]) -> int:
         """How many tokens to keep: up to the one whose text completes a stop string."""

@@ -45,6 +45,8 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
         gen = runtime.load(artifact, threads=threads, parallel=max(levels), row_budget=budget)
         for c in levels:
             steps, step_rows = gen.scheduler.steps, gen.scheduler.rows
+            for key in gen.engine.timings:
+                gen.engine.timings[key] = 0.0
             start = time.perf_counter()
             with ThreadPoolExecutor(c) as pool:
                 got = list(tqdm(pool.map(lambda p: gen.generate(p, max_new_tokens=max_new), prompts),
@@ -54,9 +56,13 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
             if mismatched:
                 raise SystemExit(f"{mismatched} replies differ from their reply alone (concurrency {c})")
             ran = gen.scheduler.steps - steps
+            graphs = dict(gen.engine.timings)
+            # per base step: the graphs' time, and the rest (Python: trees, acceptance, scheduling)
+            per_step = {f"{k}_ms": 1e3 * v / ran for k, v in graphs.items()}
+            per_step["host_ms"] = 1e3 * (seconds - sum(graphs.values())) / ran
             rows.append({"mode": "side by side", "concurrency": c, "row_budget": budget, "seconds": seconds,
                          "tokens_per_s": tokens / seconds, "vs_one_at_a_time": sequential_s / seconds,
-                         "rows_per_step": (gen.scheduler.rows - step_rows) / ran if ran else None})
+                         "rows_per_step": (gen.scheduler.rows - step_rows) / ran, **per_step})
         gen.close()
     return {"artifact": str(artifact), "machine": cpu_name(), "prompts": prompt_spec, "requests": len(prompts),
             "max_new_tokens": max_new, "generated_tokens": tokens, "rows": rows}
@@ -65,13 +71,15 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
 def table(result: dict) -> str:
     lines = [f"{result['requests']} requests ({result['prompts']}), {result['max_new_tokens']} new tokens at most, "
              f"greedy, {result['generated_tokens']} tokens in all; {result['machine']}", "",
-             "| decoding | concurrency | row budget | rows a step | tokens/s | vs one at a time |",
-             "|---|---|---|---|---|---|"]
+             "| decoding | concurrency | row budget | rows a base step | prefill / draft / verify / host ms a step "
+             "| tokens/s | vs one at a time |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         per_step = f"{r['rows_per_step']:.1f}" if r["rows_per_step"] else "-"
+        split = " / ".join(f"{r[k + '_ms']:.1f}" for k in ("prefill", "draft", "verify", "host")) \
+            if "host_ms" in r else "-"
         budget = "-" if r["mode"] == "one at a time" else (r["row_budget"] or "none")
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {budget} | {per_step} | {r['tokens_per_s']:.1f} | "
-                     f"{r['vs_one_at_a_time']:.2f}x |")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {budget} | {per_step} | {split} | "
+                     f"{r['tokens_per_s']:.1f} | {r['vs_one_at_a_time']:.2f}x |")
     return "\n".join(lines)
 
 

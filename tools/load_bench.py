@@ -123,7 +123,8 @@ async def _load(url: str, requests: list[list[dict]], n: int, max_tokens: int) -
             i, messages = queue.get_nowait()
             results[i] = await _stream(client, url, messages, max_tokens)
 
-    limits = httpx.Limits(max_connections=n + 2, max_keepalive_connections=n + 2)
+    # A connection per request: llama-server closes kept-alive connections after a streamed reply.
+    limits = httpx.Limits(max_connections=n + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await _stream(client, url, requests[0], 8)  # warm-up
         start = time.perf_counter()
@@ -220,6 +221,8 @@ def plot(result: dict, path: str) -> None:
         rows = [r for r in result["rows"] if r["server"] == server]
         ax.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=server)
     ax.set_xscale("log", base=2)
+    levels = sorted({r["concurrency"] for r in result["rows"]})
+    ax.set_xticks(levels, [str(n) for n in levels])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("generated tokens/s (all streams)")
     ax.set_title(f"{Path(result['artifact']).name}: {result['machine']}", fontsize=9)
