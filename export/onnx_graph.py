@@ -5,16 +5,18 @@ Why hand-built rather than traced: the hot path wants ONNX Runtime's fused contr
 SkipSimplifiedLayerNormalization, MatMulNBits), which no tracer emits, and EAGLE needs inputs the
 stock builders lack (explicit position ids, an additive tree bias) and the post-norm hidden states.
 
-KV cache design: one buffer per layer and per K/V, [1, kv_heads, max_length, head_dim], bound as
-both past_* input and present_* output. The graph writes the T new tokens at [total - T, total) in
-place, where total is the attention bias width (cached tokens + T). Nothing outside the graph copies
-the cache on a step.
+KV cache design: one buffer per layer and per K/V, bound as both past_* input and present_*
+output and written in place; nothing outside the graph copies the cache on a step. With fused
+attention it is [1, kv_heads, max_length, head_dim] and the T new tokens go to [total - T, total),
+total being the attention bias width (cached tokens + T). With exact attention it holds several
+sequences, [sequences, kv_heads, max_length, width], and each new row goes to its own sequence and
+position (declare_step_inputs), so that one step may carry the rows of many sequences.
 
 Two attention implementations:
 - "fused": GroupQueryAttention (fused RoPE, in-place cache). Fastest, but its arithmetic for a row
   depends on where the row's keys sit: a one-token step takes another path than a multi-token one,
   and a tree node whose ancestors are not contiguous sums its softmax in another order than the
-  same token decoded alone. Used by the draft (which only proposes) and by fp16 (CUDA) bases.
+  same token decoded alone. Used by fp16 (CUDA) artifacts and where asked for (OpenVINO).
 - "exact": attention from plain ops whose result for a row is bitwise independent of the step
   size and of masked keys between the row's own keys, so verifying a tree computes every node
   exactly as plain decoding computes it (measured on ONNX Runtime's CPU kernels; tests check it).
@@ -366,7 +368,8 @@ class Builder:
             """new [T, heads, width] into the cache, row t in sequence cache_sequences[t] at position
             cache_slots[t], in place; returns the whole updated cache [S, heads, capacity, width]
             (attention_bias masks what is not in use)."""
-            return g.op("ScatterND", [f"past_{cache}_{layer}", io.write_index(heads), new], [f"present_{cache}_{layer}"])
+            return g.op("ScatterND", [f"past_{cache}_{layer}", io.write_index(heads), new],
+                        [f"present_{cache}_{layer}"])
 
         chunks, width = value_chunks(d)
         keys = write("key", g.op("Reshape", [rotate(k, kv_heads), g.const([-1, kv_heads, d])]), kv_heads)
@@ -539,8 +542,9 @@ def lm_head_name(cfg: ModelConfig) -> str:
 def build_base(cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str, n_positions: int,
                store: WeightStore, progress=None, attention: str = "exact", blocks: dict | None = None,
                eagle3_fc: np.ndarray | None = None, int8_block: int = INT8_BLOCK) -> onnx.ModelProto:
-    """Inputs: input_ids, position_ids [1,T]; attention_bias [1,1,T,total]; logit_rows [R];
-    past_{key,value}_i (and cache_slots [T] with exact attention). Outputs: logits [1,R,V] (fp32),
+    """Inputs: input_ids, position_ids [1,T]; attention_bias; logit_rows [R]; past_{key,value}_i (with
+    exact attention, the caches of several sequences and the inputs that group a step's rows by
+    sequence: declare_step_inputs). Outputs: logits [1,R,V] (fp32),
     hidden_states [1,T,H], present_{key,value}_i. `blocks`: precision gguf.
 
     hidden_states is the feature the draft head reads: the post-final-norm hidden states for an
@@ -580,10 +584,10 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str
                 int8_block: int = INT8_BLOCK, attention: str = "exact") -> onnx.ModelProto:
     """EAGLE-1/2 head. `state` holds the head tensors plus the base's embedding and lm_head.
     Inputs: input_ids, position_ids [1,T]; features [1,T,H]; attention_bias; logit_rows [R];
-    past_{key,value}_0 (and cache_slots [T] with exact attention, whose rows, as the base's, are
-    computed each on its own: several sequences' draft rows share a step); top_k [1]. Outputs: hidden_states [1,T,H] (fed to the next depth),
-    topk_ids [1,R,k] int64, topk_logprobs [1,R,k] fp32 (log-softmax and top-k inside, so only
-    small tensors leave the device).
+    past_{key,value}_0 (with exact attention, the caches of several sequences and the inputs that
+    group a step's rows by sequence, as the base's: declare_step_inputs); top_k [1]. Outputs:
+    hidden_states [1,T,H] (fed to the next depth), topk_ids [1,R,k] int64, topk_logprobs [1,R,k]
+    fp32 (log-softmax and top-k inside, so only small tensors leave the device).
 
     With `draft_vocab` (sorted base token ids, models/draft_vocab.py) the head scores only those
     rows of the lm_head, a tensor of its own; top-k ids are mapped back to base ids in the graph."""

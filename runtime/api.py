@@ -165,9 +165,8 @@ class Generator:
         t["first_token"] = st.first_token_s
         decode_s = st.total_s - st.first_token_s
         t["tokens_per_s"] = (len(token_ids) - 1) / decode_s if decode_s > 0 and len(token_ids) > 1 else 0.0
-        return GenerationOutput(text=text, token_ids=token_ids,
-                                finish_reason=decoder.finish_reason, accept_lengths=st.accept_lengths[:max(cycles, 0)],
-                                timings=t)
+        return GenerationOutput(text=text, token_ids=token_ids, finish_reason=decoder.finish_reason,
+                                accept_lengths=st.accept_lengths[:max(cycles, 0)], timings=t)
 
     def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
