@@ -262,10 +262,11 @@ class Engine:
         inputs = {"input_ids": self.ids[:n].reshape(1, n), "position_ids": self.positions[:n].reshape(1, n),
                   "logit_rows": np.concatenate([start + p.logit_rows for start, p in
                                                 zip(np.cumsum([0] + [p.rows for p in parts]), parts)])}
-        if session.slotted:
+        if len(parts) > 1:
             inputs.update(self._grouped(parts, t, n, session))
             span = (min(p.seq.slot for p in parts), max(p.seq.slot for p in parts) + 1)
         else:
+            # One sequence, its rows side by side: the session completes the inputs (runtime/caches.py).
             width = first.first_slot + n
             bias = self.wide_bias[: n * width].reshape(1, 1, n, width)
             bias[0, 0, :t] = self.masked
@@ -273,7 +274,7 @@ class Engine:
             if n > t:
                 self._pad_bias(bias[0, 0, t:], first, np.arange(first.first_slot + t, first.first_slot + n))
             inputs["attention_bias"] = bias
-            span = (0, 1)
+            span = (first.seq.slot, first.seq.slot + 1)
         k = 1
         if graph == "draft":
             k = self.top_k[0] = max(p.top_k for p in parts)
