@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from eagle2 import share_rows
 
 from .engine import Engine, NoRoom, Rows
-from .generation import Decoder, PromptTooLongError, Settings, TreeSize
+from .generation import Decoder, Settings, TreeSize, check_request
 
 FINISHED = None  # the queue's last item
 log = logging.getLogger("runtime.batch")
@@ -74,13 +74,7 @@ class Scheduler:
     def submit(self, prompt: list[int], settings: Settings, stop_ids: set[int]) -> Request:
         """Queue a generation; its token lists arrive on request.tokens. Bad settings and prompts
         raise here, in the caller's thread."""
-        e = self.engine
-        settings.check(e)
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= e.max_length:
-            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but max_length is {e.max_length}: "
-                                     "it must leave room for at least one new token")
+        check_request(self.engine, prompt, settings)
         request = Request(list(prompt), settings, stop_ids)
         with self._lock:
             if self._stopping:
@@ -125,14 +119,6 @@ class Scheduler:
                 log.error("the scheduler's step failed", exc_info=e)
                 for r in list(self._active):
                     self._end(r, e)
-
-    def run_until_idle(self) -> None:
-        """Step in the caller's thread until every submitted generation has ended."""
-        while True:
-            with self._lock:
-                if not (self._waiting or self._active):
-                    return
-            self.step()
 
     def step(self) -> None:
         """Admit what fits; then draft steps until every generation waits for the base (each draft

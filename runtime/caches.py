@@ -25,8 +25,9 @@ class HostCaches:
         self._scratch = np.empty(cache_length * max(w for _, w in dims), dtype)
         self._wide_bias = np.empty(max_tokens * cache_length, bias_dtype)
         self._cache_position = np.zeros(1, np.int64)
-        self._rows, self._zeros, self._slots = np.arange(max_tokens), np.zeros(max_tokens, np.int64), np.zeros(
-            max_tokens, np.int64)
+        self._rows = np.arange(max_tokens)
+        self._zeros = np.zeros(max_tokens, np.int64)
+        self._slots = np.zeros(max_tokens, np.int64)
         self.capacity = 0
         self.arrays: list[np.ndarray] = []
         self._lay_out(min(step, cache_length))

@@ -91,6 +91,16 @@ class TreeSize:
     fixed: bool
 
 
+def check_request(engine: Engine, prompt, settings: Settings) -> None:
+    """Refuse a generation that cannot run: bad settings, an empty prompt, one that leaves no room."""
+    settings.check(engine)
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+    if len(prompt) >= engine.max_length:
+        raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but max_length is {engine.max_length}: "
+                                 "it must leave room for at least one new token")
+
+
 class Decoder:
     """One generation over an Engine. Iterate `tokens()` for lists of new tokens; or `steps()`, which
     also yields each graph step it needs (Rows, run by the caller with others' rows: runtime/batch.py)
@@ -98,12 +108,7 @@ class Decoder:
 
     def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int],
                  seq: Sequence | None = None):
-        settings.check(engine)
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= engine.max_length:
-            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but max_length is {engine.max_length}: "
-                                     "it must leave room for at least one new token")
+        check_request(engine, prompt, settings)
         self.engine, self.prompt, self.s, self.stop_ids = engine, np.asarray(prompt, np.int64), settings, stop_ids
         self.rng = np.random.default_rng(settings.seed)
         self.pool = DraftPool(settings.top_k, settings.depth) if settings.speculative else None

@@ -142,7 +142,6 @@ class GraphSession:
             self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, io.dtypes["attention_bias"],
                                     CACHE_STEP, sequences)
             self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
-            self._bound_range = None  # the sequences whose caches a slotted graph has bound
         else:
             self._bind([ort.OrtValue.ortvalue_from_shape_and_type([1, h, cache_length, w], self.cache_dtype,
                                                                   self.device, 0) for h, w in dims])
@@ -157,7 +156,7 @@ class GraphSession:
     def _bind(self, caches: list) -> None:
         """Bind every cache as both its past_* input and its present_* output."""
         self.caches = caches
-        self._bound_range = None
+        self._bound_range = None  # the sequences whose caches a slotted graph has bound (_bind_sequences)
         for name, value in zip(self.cache_names, caches):
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)

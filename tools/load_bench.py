@@ -80,7 +80,7 @@ def _process(cmd: list[str], url: str, ready_path: str, timeout: float = 120.0):
             proc.wait(10)
 
 
-def server_command(kind: str, artifact: str, gguf: Path | None, n: int, port: int, max_tokens: int) -> list[str]:
+def server_command(kind: str, artifact: str, gguf: Path | None, n: int, port: int) -> list[str]:
     if kind == "llama-server":
         # n slots of 2048 positions each, all cores, the GGUF's own chat template.
         return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
@@ -183,8 +183,7 @@ def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, ser
         for kind, label, gguf in plan:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
-            ready = "/health"
-            with _process(server_command(kind, artifact, gguf, n, port, max_tokens), url, ready) as pid:
+            with _process(server_command(kind, artifact, gguf, n, port), url, "/health") as pid:
                 results, wall = asyncio.run(_load(url, requests, n, max_tokens))
                 rss = _peak_rss_mib(pid)
             rows.append(_summary(kind, label, n, results, wall, rss, None if kind == "llama-server" else want))
