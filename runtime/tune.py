@@ -33,6 +33,7 @@ from .tuning import TUNING_FILE
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
 COST_ROWS = (1, 2, 4, 8, 16, 32)
+MAX_DRAFT_TOTAL = 64   # the largest tree whose draft cost --draft-depths measures
 
 
 class RecordingDecoder(Decoder):
@@ -151,16 +152,28 @@ def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
             "predicted": predicted[:20]}
 
 
-def step_costs(gen, prompt: list[int], context: int) -> dict:
-    """Verify seconds by rows (COST_ROWS) and the draft's seconds per cycle of the artifact's
-    default tree: what a tree costs here, without the acceptance decoding that tune() runs."""
-    verify = verify_costs(gen, list(COST_ROWS), context, reps=5)
-    out = gen.generate(prompt, max_new_tokens=16, lookup=0)
-    return {"machine": cpu_name(), "date": time.strftime("%Y-%m-%d"), "context": context,
-            "verify_ms": {str(n): 1e3 * v for n, v in verify.items()},
-            "verify_vs_one_row": {str(n): v / verify[1] for n, v in verify.items()},
-            "tree": tree_label(gen.tree(lookup=0)),
-            "draft_ms_per_cycle": 1e3 * out.timings["draft"] / max(1, len(out.accept_lengths))}
+def step_costs(gen, prompt: list[int], context: int, rows=COST_ROWS, draft_depths=(), draft_top_k: int = 10) -> dict:
+    """Verify seconds by rows and the draft's seconds per cycle of the artifact's default tree (and
+    of trees of each of `draft_depths` at `draft_top_k`), with plain decoding's seconds a token:
+    what a tree costs here, without the acceptance decoding that tune() runs."""
+    verify = verify_costs(gen, list(rows), context, reps=5)
+
+    def draft_ms(**tree) -> float:
+        out = gen.generate(prompt, max_new_tokens=16, lookup=0, **tree)
+        return 1e3 * out.timings["draft"] / max(1, len(out.accept_lengths))
+
+    plain = gen.generate(prompt, max_new_tokens=16, speculative=False)
+    result = {"machine": cpu_name(), "date": time.strftime("%Y-%m-%d"), "context": context,
+              "verify_ms": {str(n): 1e3 * v for n, v in verify.items()},
+              "verify_vs_one_row": {str(n): v / verify[1] for n, v in verify.items()},
+              "plain_ms_per_token": 1e3 * (plain.timings["total"] - plain.timings["first_token"])
+              / max(1, len(plain.token_ids) - 1),
+              "tree": tree_label(gen.tree(lookup=0)), "draft_ms_per_cycle": draft_ms()}
+    if draft_depths:
+        result["draft_top_k"] = draft_top_k
+        result["draft_ms_by_depth"] = {str(d): draft_ms(total_tokens=min(MAX_DRAFT_TOTAL, d * draft_top_k + 1),
+                                                        depth=d, top_k=draft_top_k) for d in draft_depths}
+    return result
 
 
 def acceptance_seconds(one_row_s: float, n_prompts: int, max_new: int, configs: int) -> float:
@@ -206,6 +219,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget-minutes", type=float, default=30, help="measure costs only when the acceptance runs "
                    "would take longer than this (large models on few cores; default 30)")
     p.add_argument("--json", help="with costs only: write the costs here")
+    p.add_argument("--rows", default=",".join(map(str, COST_ROWS)), help="with costs only: verify step sizes to time")
+    p.add_argument("--draft-depths", default="", help="with costs only: also time the draft of trees of these depths "
+                   "(at --draft-top-k), e.g. 1,2,3,4,5,6")
+    p.add_argument("--draft-top-k", type=int, default=10)
     a = p.parse_args(argv)
     import runtime
     gen = runtime.load(a.artifact, provider=a.provider)
@@ -225,11 +242,15 @@ def main(argv=None) -> int:
                   "larger --budget-minutes, to tune)", file=sys.stderr)
             a.costs_only = True
     if a.costs_only:
-        costs = step_costs(gen, prompts[0], context)
+        costs = step_costs(gen, prompts[0], context, [int(n) for n in a.rows.split(",")],
+                           [int(d) for d in a.draft_depths.split(",") if d], a.draft_top_k)
         print(f"verify step by rows on {costs['machine']} (context {context}):")
         for n, ms in costs["verify_ms"].items():
             print(f"  {n:>2} rows: {ms:8.1f} ms ({costs['verify_vs_one_row'][n]:.2f}x one row)")
+        print(f"plain decoding: {costs['plain_ms_per_token']:.1f} ms a token")
         print(f"draft: {costs['draft_ms_per_cycle']:.1f} ms a cycle of tree {costs['tree']}")
+        for d, ms in costs.get("draft_ms_by_depth", {}).items():
+            print(f"draft: {ms:.1f} ms a cycle at depth {d}, top_k {a.draft_top_k}")
         if a.json:
             Path(a.json).write_text(json.dumps(costs, indent=2) + "\n")
         return 0

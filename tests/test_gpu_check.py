@@ -19,7 +19,8 @@ from runtime.backend import GraphSpec
 from runtime.session import ProviderError
 from runtime.torch_device import DeviceRows, DeviceSteps
 from tools import gpu_check
-from tools.projection import project
+from tools.projection import (PUBLISHED, anchored_q1, fit_rank_model, interpolated, large_model_projection,
+                              modelled_tau, project, tau_file)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
@@ -165,6 +166,33 @@ def test_projection_arithmetic():
     # 5 tokens cost the 8-token bucket: 2.1 * 10 / (16 + 4 + 1) = 1.0 < 4 tokens: 2.0 * 10 / 17.
     assert rows == [{"tree": "4/2/2", "tau": 2.0, "cycle_ms": 17.0, "tokens_per_s": 1e3 * 2.0 / 17.0,
                      "speedup": 2.0 * 10.0 / 17.0}]
+
+
+def test_rank_model_of_the_draft():
+    """tau of a tree from a draft whose rank-r candidate is right with probability q1 * beta^(r-1):
+    a chain of certain tokens lands them all; a tree never lands more than its depth allows; the fit
+    on the shipped head's curves reproduces them closely; the anchor hits the published tau."""
+    assert modelled_tau(1.0, 0.0, 3, 1, 5) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    taus = modelled_tau(0.5, 0.5, 2, 4, 64)  # depth 2: three draft levels below the root
+    assert all(a <= b for a, b in zip(taus[1:], taus[2:])) and max(taus) <= 1 + 3
+    with pytest.raises(ValueError, match="sum to more than 1"):
+        modelled_tau(0.9, 0.5, 2, 4, 64)
+    fit = fit_rank_model(json.loads(tau_file().read_text())["tau"])
+    assert fit["max_relative_error"] < 0.15
+    q1 = anchored_q1(fit["beta"], PUBLISHED["tree"], PUBLISHED["tau"])
+    assert abs(modelled_tau(q1, fit["beta"], 5, 10, 60)[60] - PUBLISHED["tau"]) < 1e-6
+
+
+def test_large_model_projection_arithmetic():
+    costs = {"machine": "m", "date": "d", "context": 8, "draft_top_k": 2, "plain_ms_per_token": 100.0,
+             "verify_ms": {"1": 100.0, "4": 130.0, "8": 190.0}, "verify_vs_one_row": {"4": 1.3},
+             "draft_ms_by_depth": {"1": 20.0}}
+    assert interpolated(costs["verify_ms"], 6) == 160.0 and interpolated(costs["verify_ms"], 9) is None
+    p = large_model_projection([costs], json.loads(tau_file().read_text())["tau"])
+    [best] = p["best_by_shape"]
+    total = int(best["tree"].split("/")[0])
+    assert best["tree"].endswith("/1/2") and 2 <= total <= 7
+    assert best["speedup"] == pytest.approx(best["tau"] * 100.0 / (interpolated(costs["verify_ms"], total) + 20.0))
 
 
 @needs_cuda

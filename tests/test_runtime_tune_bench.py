@@ -90,6 +90,19 @@ def test_tune_measures_costs_only_where_acceptance_would_take_too_long(artifact,
     assert "rows:" in capsys.readouterr().out
 
 
+def test_tune_measures_the_draft_by_depth(artifact, tmp_path, capsys):
+    """--rows and --draft-depths: the verify sizes asked for, the draft's cost at each depth (what
+    tools/projection.py projects large models from), and plain decoding's cost a token."""
+    out = tmp_path / "costs.json"
+    assert tune.main([str(artifact), "--costs-only", "--rows", "1,3", "--draft-depths", "1,2", "--draft-top-k", "2",
+                      "--n", "1", "--json", str(out)]) == 0
+    costs = json.loads(out.read_text())
+    assert list(costs["verify_ms"]) == ["1", "3"] and costs["draft_top_k"] == 2
+    assert list(costs["draft_ms_by_depth"]) == ["1", "2"] and all(v > 0 for v in costs["draft_ms_by_depth"].values())
+    assert costs["plain_ms_per_token"] > 0
+    assert "at depth 2, top_k 2" in capsys.readouterr().out
+
+
 def test_bench_reports_every_configuration(artifact, tmp_path):
     out = tmp_path / "bench"
     assert bench.main([str(artifact), "--prompts", "builtin", "--n", "2", "--max-new-tokens", "20",
@@ -207,8 +220,9 @@ def test_the_llamacpp_peer_takes_a_gguf_file(smollm2_artifact):
     [peer] = make_peers(["llamacpp"], str(gguf))
     assert peer.name == "llama.cpp Q4_1" and peer.weight_bytes == gguf.stat().st_size
     assert 0 < peer.decode(ids, 16) < 30
-    with pytest.raises(PeerError, match="no GGUF file"):
-        make_peers(["llamacpp"], "missing.Q8_0.gguf")
+    assert [p.name for p in make_peers(["llamacpp"], f"{gguf},{gguf}")] == ["llama.cpp Q4_1"] * 2
+    with pytest.raises(PeerError, match="no GGUF file missing.Q8_0.gguf"):
+        make_peers(["llamacpp"], f"{gguf},missing.Q8_0.gguf")
 
 
 def test_artifact_specs_name_provider_and_openvino_hint():

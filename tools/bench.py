@@ -322,8 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--trees", default="tuned", help="'tuned' (the artifact's tuned or default tree) and/or "
                    "total_tokens/depth/top_k[+lookup] items (4/1/2+4: a 4-token lookup branch), comma-separated")
     p.add_argument("--peers", default="", help="genai,llamacpp (bash ci/install_peers.sh)")
-    p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode, or a .gguf file "
-                   "of the same weights for the llama.cpp peer")
+    p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode, or .gguf files "
+                   "of the same weights for the llama.cpp peer (comma-separated: one peer each)")
     p.add_argument("--reference", help="also report top-1 agreement and perplexity against this artifact (e.g. fp32; "
                    "for the artifacts this process runs)")
     p.add_argument("--worker", action="append", default=[], metavar="PROVIDER=PYTHON",

@@ -126,7 +126,7 @@ def llamacpp_gguf(source: Path, quant: str) -> Path:
 
 def make_peers(names: list[str], model: str, threads: int | None = None) -> list[Peer]:
     """genai: its int8 graph; llamacpp: the model's own GGUF as shipped and llama.cpp's Q8_0 of it, or
-    the .gguf file `model` names."""
+    the .gguf files `model` names (comma-separated)."""
     unknown = set(names) - set(PEERS)
     if unknown:
         raise PeerError(f"unknown peer {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
@@ -134,11 +134,12 @@ def make_peers(names: list[str], model: str, threads: int | None = None) -> list
     if "genai" in names:
         peers.append(GenaiPeer(genai_model(model, "int8"), "int8"))
     if "llamacpp" in names and model.endswith(".gguf"):
-        # a GGUF of the same weights the user made (e.g. with llama.cpp's convert_hf_to_gguf.py), as it is
-        gguf = Path(model)
-        if not gguf.is_file():
-            raise PeerError(f"no GGUF file {model}")
-        peers.append(LlamaCppPeer(gguf, gguf.stem.rsplit(".", 1)[-1], threads))
+        # GGUFs of the same weights the user made (e.g. with llama.cpp's convert_hf_to_gguf.py), as they are
+        for name in model.split(","):
+            gguf = Path(name)
+            if not gguf.is_file():
+                raise PeerError(f"no GGUF file {name}")
+            peers.append(LlamaCppPeer(gguf, gguf.stem.rsplit(".", 1)[-1], threads))
     elif "llamacpp" in names:
         from models.registry import ALIASES, embedded_gguf
         if not (model in ALIASES and ALIASES[model].base.startswith("pypi:")):

@@ -9,6 +9,16 @@ per cycle. A projection, and labelled so wherever it is shown: nothing decodes w
 the GPU.
 
     python -m runtime.projection ARTIFACT [--out FILE]   # re-measure tau (a SmolLM2-135M artifact, CPU)
+
+Large models (docs/large-models.md): a random-weight checkpoint measures what a tree costs at its
+size (runtime tune --costs-only), but not what a tree lands. Published acceptance gives that, for
+one tree: the EAGLE-2 paper's tau for LLaMA2-Chat 7B on MT-bench, at its 60/5/10 tree. Other trees
+are estimated with a model of the draft (modelled_tau): the base's next token is the draft's
+rank-r candidate with probability q1 * beta^(r - 1) at every node, the shape beta fitted to the
+shipped SmolLM2 head's measured curves (which the model must reproduce: fit_rank_model reports
+its error), q1 to the published figure.
+
+    python -m runtime.projection --costs COSTS.json[,COSTS2.json] --report FILE.md [--json FILE.json]
 """
 from __future__ import annotations
 
@@ -81,11 +91,158 @@ def project(tau: dict, verify_ms: dict, draft_ms: dict, host_ms: float, plain_ms
     return rows
 
 
+# EAGLE-2 paper (arXiv 2406.16858), Table 1: LLaMA2-Chat 7B, MT-bench, temperature 0, tree of 60
+# tokens, 6 draft levels (depth 5 here), top-k 10 (its Appendix A): speedup 3.43x on an A100.
+PUBLISHED = {"model": "LLaMA2-Chat 7B", "head": "yuhuili/EAGLE-llama2-chat-7B", "prompts": "MT-bench",
+             "tree": "60/5/10", "tau": 4.70, "source": "EAGLE-2 paper (arXiv 2406.16858), Table 1 and Appendix A"}
+
+
+def rank_probabilities(q1: float, beta: float, top_k: int):
+    import numpy as np
+    return q1 * beta ** np.arange(top_k)
+
+
+def modelled_tau(q1: float, beta: float, depth: int, top_k: int, max_total: int):
+    """tau by tree size (index = total tokens, root included) of EAGLE-2's tree (depth, top_k)
+    for a draft whose rank-r candidate is the base's token with probability q1 * beta^(r-1): the
+    expected accepted tokens are 1 + the sum over drafted nodes of the product of their path's
+    probabilities, and EAGLE-2 keeps the nodes of highest such value (eagle2/tree.py builds the
+    same pool from the draft's own scores)."""
+    import numpy as np
+    q = rank_probabilities(q1, beta, top_k)
+    if q.sum() > 1 + 1e-9:
+        raise ValueError(f"rank probabilities q1={q1}, beta={beta} over top_k={top_k} sum to more than 1")
+    layer = q.copy()
+    pool = [layer]
+    for _ in range(depth):
+        frontier = np.sort(layer)[::-1][:top_k]
+        layer = (frontier[:, None] * q[None, :]).ravel()
+        pool.append(layer)
+    values = np.sort(np.concatenate(pool))[::-1][:max_total - 1]
+    return [0.0, 1.0] + list(1.0 + np.cumsum(values))
+
+
+def fit_rank_model(tau: dict) -> dict:
+    """(q1, beta) that best reproduce measured tau curves {"depth/top_k": [tau by size]}, by grid
+    search on the squared error; with the largest relative error of the fit."""
+    import numpy as np
+    measured = {tuple(map(int, k.split("/"))): np.asarray(v) for k, v in tau.items()}
+    best = None
+    for q1 in np.arange(0.20, 0.95, 0.005):
+        for beta in np.arange(0.05, 0.95, 0.01):
+            if q1 * (1 - beta ** 10) / (1 - beta) > 1:
+                continue
+            err, worst = 0.0, 0.0
+            for (d, k), m in measured.items():
+                model = np.asarray(modelled_tau(q1, beta, d, k, len(m) - 1)[1:len(m)])
+                err += float(((model - m[1:]) ** 2).sum())
+                worst = max(worst, float((np.abs(model - m[1:]) / m[1:]).max()))
+            if best is None or err < best["squared_error"]:
+                best = {"q1": round(float(q1), 3), "beta": round(float(beta), 2), "squared_error": err,
+                        "max_relative_error": worst}
+    return best
+
+
+def anchored_q1(beta: float, tree: str, target: float) -> float:
+    """q1 at which the modelled tau of `tree` (total/depth/top_k) is `target` (bisection)."""
+    total, depth, top_k = map(int, tree.split("/"))
+    lo, hi = 0.0, (1 - beta) / (1 - beta ** top_k)  # the rank probabilities sum to at most 1
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if modelled_tau(mid, beta, depth, top_k, total)[total] < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def interpolated(costs: dict, n: int) -> float | None:
+    """Milliseconds of a verify step of n rows, linear between measured sizes (a CPU's cost grows
+    with the rows; no CUDA-graph buckets here)."""
+    sizes = sorted(int(s) for s in costs)
+    if n > sizes[-1]:
+        return None
+    upper = next(s for s in sizes if s >= n)
+    lower = max((s for s in sizes if s <= n), default=upper)
+    if upper == lower:
+        return costs[str(upper)]
+    w = (n - lower) / (upper - lower)
+    return (1 - w) * costs[str(lower)] + w * costs[str(upper)]
+
+
+def large_model_projection(costs: list[dict], tau: dict) -> dict:
+    """For each costs run (one top_k each) and each draft depth it measured: the modelled tau
+    anchored to PUBLISHED, and the projected tokens/s of every tree size up to the largest verify
+    step measured, with that run's own verify, draft and plain costs; the best size of each shape,
+    and the published tree itself."""
+    fit = fit_rank_model(tau)
+    q1 = anchored_q1(fit["beta"], PUBLISHED["tree"], PUBLISHED["tau"])
+    rows = []
+    for run in costs:
+        top_k, plain = run["draft_top_k"], run["plain_ms_per_token"]
+        max_rows = max(int(s) for s in run["verify_ms"])
+        for depth, draft in run["draft_ms_by_depth"].items():
+            depth = int(depth)
+            taus = modelled_tau(q1, fit["beta"], depth, top_k, max_rows)
+            for total in range(2, min(max_rows, top_k + depth * top_k * top_k + 1) + 1):
+                cycle = interpolated(run["verify_ms"], total) + draft
+                rows.append({"tree": f"{total}/{depth}/{top_k}", "tau": taus[total], "cycle_ms": cycle,
+                             "plain_ms": plain, "tokens_per_s": 1e3 * taus[total] / cycle,
+                             "speedup": taus[total] * plain / cycle})
+    best = {}
+    for r in rows:
+        shape = r["tree"].split("/", 1)[1]
+        if shape not in best or r["speedup"] > best[shape]["speedup"]:
+            best[shape] = r
+    return {"what": "a PROJECTION: step costs measured on a random-weight checkpoint, acceptance from a "
+                    "published figure and a model of the draft; nothing decoded with a trained head",
+            "published": PUBLISHED, "rank_model": {**fit, "q1_anchored": round(q1, 4),
+                                                   "fitted_on": "the shipped SmolLM2-135M head's tau curves"},
+            "costs": costs, "best_by_shape": list(best.values()),
+            "published_tree": next((r for r in rows if r["tree"] == PUBLISHED["tree"]), None)}
+
+
+def projection_report(p: dict) -> str:
+    m = p["rank_model"]
+    runs = "; ".join(f"top_k {c['draft_top_k']}: plain decoding {c['plain_ms_per_token']:.0f} ms a token, a 4-row "
+                     f"verify step {c['verify_vs_one_row']['4']:.2f}x a one-row step" for c in p["costs"])
+    c = p["costs"][0]
+    lines = [f"**Projection, not a measurement.** Step costs measured on {c['machine']} ({c['date']}, context "
+             f"{c['context']}; {runs}). Acceptance: {p['published']['source']}: {p['published']['model']} with "
+             f"{p['published']['head']} on {p['published']['prompts']}, tau {p['published']['tau']} at tree "
+             f"{p['published']['tree']}. Other trees' tau: the rank model (beta {m['beta']} fitted on "
+             f"{m['fitted_on']}, its largest relative error there {100 * m['max_relative_error']:.1f}%; q1 "
+             f"{m['q1_anchored']:.3f} anchored to the published tau).", "",
+             "| tree (total/depth/top_k) | modelled tau | draft + verify ms a cycle | projected tok/s | vs plain |",
+             "|---|---|---|---|---|"]
+    shown = sorted(p["best_by_shape"], key=lambda r: (int(r["tree"].split("/")[2]), int(r["tree"].split("/")[1])))
+    if p["published_tree"]:
+        shown.append({**p["published_tree"], "tree": p["published_tree"]["tree"] + " (the paper's tree)"})
+    for r in shown:
+        lines.append(f"| {r['tree']} | {r['tau']:.2f} | {r['cycle_ms']:.0f} | {r['tokens_per_s']:.2f} | "
+                     f"{r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.projection")
-    p.add_argument("artifact", help="SmolLM2-135M with its shipped head (python -m export smollm2-135m)")
+    p.add_argument("artifact", nargs="?", help="SmolLM2-135M with its shipped head (python -m export smollm2-135m): "
+                   "re-measure its tau")
     p.add_argument("--out", help="default: the shipped head's tau_greedy.json")
+    p.add_argument("--costs", help="large models: costs from `runtime tune --costs-only --draft-depths ... --json` "
+                   "(comma-separated files, one top_k each); projects EAGLE-2's speedup from the published tau")
+    p.add_argument("--report", help="with --costs: write a Markdown table here")
+    p.add_argument("--json", help="with --costs: write the projection here")
     a = p.parse_args(argv)
+    if a.costs:
+        result = large_model_projection([json.loads(Path(f).read_text()) for f in a.costs.split(",")],
+                                        json.loads(tau_file().read_text())["tau"])
+        text = projection_report(result)
+        print(text)
+        if a.report:
+            Path(a.report).write_text(text)
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+    if not a.artifact:
+        p.error("give an artifact to measure tau on, or --costs to project a large model")
     out = Path(a.out) if a.out else tau_file()
     out.write_text(json.dumps(measure_tau(a.artifact), indent=1) + "\n")
     print(f"written to {out}")
