@@ -43,9 +43,9 @@ def parser() -> argparse.ArgumentParser:
                    "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
     p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "
                    "bases, fp16 for fp16; ipex: int8; torch: the base's)")
-    p.add_argument("--attention", choices=ATTENTIONS, help="exact: every verified tree node computed bitwise "
-                   "as plain decoding computes it (default on CPU precisions); fused: GroupQueryAttention "
-                   "(default for fp16/CUDA)")
+    p.add_argument("--attention", choices=ATTENTIONS, help="exact (default): attention from plain operators; on "
+                   "the CPU every verified tree node is computed bitwise as plain decoding computes it, and with "
+                   "fp16 it is the graph ONNX Runtime's CUDA provider runs; fused: GroupQueryAttention (OpenVINO)")
     p.add_argument("--int8-block", type=int, choices=INT8_BLOCKS, default=INT8_BLOCK,
                    help=f"block size of int8 weights and activations (onnx; default {INT8_BLOCK}): 32 rounds "
                    "closer to the source weights and decodes slower (README, 'Precisions')")

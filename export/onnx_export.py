@@ -41,12 +41,6 @@ def graph_spec(model: onnx.ModelProto, file: str) -> dict:
     return {"file": file, "inputs": values(model.graph.input), "outputs": values(model.graph.output)}
 
 
-def default_attention(precision: str) -> str:
-    """fp16 targets CUDA, where GroupQueryAttention's fused kernels matter most and the exact
-    attention's guarantee (measured on the CPU kernels) would not hold anyway."""
-    return "fused" if precision == "fp16" else "exact"
-
-
 def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length: int | None = None,
                 verify: bool = True, overwrite: bool = False, log=print, draft_precision: str | None = None,
                 attention: str | None = None, draft_vocab: DraftVocab | None = None,
@@ -88,7 +82,8 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "exact_key_block": EXACT_KEY_BLOCK if attention == "exact" else None,
             # Whether verification computes every tree node bitwise as plain decoding does (on ONNX
             # Runtime's CPU kernels, tested), so that greedy speculative output equals plain output.
-            "verify_exact": attention == "exact",
+            # fp16 is for CUDA, whose kernels make no such promise.
+            "verify_exact": attention == "exact" and precision != "fp16",
             # MLAS's 4-bit MatMulNBits (accuracy level 4) computes a one-row product by another path
             # than a multi-row one on AVX2 CPUs, so the runtime runs one-token steps of such
             # artifacts as two rows.
@@ -115,7 +110,7 @@ def _check_options(precision: str, attention: str | None, draft_precision: str |
     """(attention, draft precision), the defaults filled in; ExportError for what cannot be built."""
     if precision not in PRECISIONS:
         raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    attention = attention or default_attention(precision)
+    attention = attention or "exact"
     if attention not in ATTENTIONS:
         raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     draft_precision = draft_precision or default_draft_precision(precision)

@@ -30,9 +30,9 @@ log = logging.getLogger("runtime.batch")
 
 def can_batch(manifest: dict, provider: str) -> bool:
     """Whether an artifact decodes sequences side by side on this provider: its base graph writes each
-    row at its own cache slot, in host caches (ONNX exact attention, provider cpu)."""
+    row at its own cache slot (ONNX exact attention, on the host or in CUDA memory)."""
     base = manifest["graphs"]["base"]
-    return (manifest.get("target", "onnx") == "onnx" and provider == "cpu"
+    return (manifest.get("target", "onnx") == "onnx" and provider in ("cpu", "cuda")
             and any(i["name"] == "cache_slots" for i in base["inputs"]))
 
 

@@ -10,8 +10,9 @@ per step beyond small index arrays and each part's own attention bias.
 
 The sessions are whatever backend runs the provider (runtime/providers.py); the engine uses only
 their contract (runtime/backend.Session), so everything from this class to the API is shared. With a
-resident session (torch on an accelerator) the base's hidden states, the features and the draft's
-hidden states are device tensors that never leave the device; the same indexing serves both.
+resident session (ONNX Runtime or torch on an accelerator) the base's hidden states, the features
+and the draft's hidden states are device tensors that never leave the device; the same indexing
+serves both.
 """
 from __future__ import annotations
 

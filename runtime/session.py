@@ -4,6 +4,11 @@ Each graph's KV cache is allocated once (for the session's cache length) and bou
 past_* input and the present_* output, so the graph writes new K/V in place. Step inputs and
 outputs live in buffers sized for the largest step and are bound by pointer, so a steady-state
 step allocates nothing but the binding calls themselves.
+
+On CUDA the caches and the step outputs are torch tensors on the GPU, bound by pointer, and ONNX
+Runtime runs on torch's current stream: hidden states stay there (the engine feeds them back to
+the draft as device tensors), logits stay there behind DeviceRows (the decoding loop reads their
+argmax, or the rows that prefill and sampling need), and only the draft's top-k comes back.
 """
 from __future__ import annotations
 
@@ -11,12 +16,12 @@ import json
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from models.cpu import int8_dot_products
 
 from .backend import GraphSpec, ProviderError
-from .caches import HostCaches
+from .caches import DeviceCaches, HostCaches, torch_dtype
+from .torch_device import DeviceRows
 
 PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
@@ -24,6 +29,14 @@ PROVIDERS = {
     "openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"],
 }
 DEVICE = {"cpu": "cpu", "cuda": "cuda", "openvino": "cpu"}
+# Providers whose caches and step outputs are torch tensors on their device. Only exact attention's
+# graphs run there: every operator they hold has a CUDA kernel for the types they give it
+# (tests/test_runtime_cuda_path.py lists them with the kernel sources), while fused attention's
+# GroupQueryAttention refuses an attention_bias on CUDA (contrib_ops/cuda/bert/group_query_attention.cc).
+DEVICE_BUFFERS = {"cuda": "cuda"}
+# Precisions (base and draft) whose every operator has a CUDA kernel (tests/test_runtime_cuda_path.py);
+# w8a8's MatMulIntegerToFloat has none and would run on the CPU EP, copying every step.
+CUDA_PRECISIONS = ("fp16", "fp32", "int8")
 # Capacity step of the exact attention's host caches. Its matmuls read every position of the capacity,
 # masked or not, so a small step reads less (docs/code-notes.md). MLAS's sums of a row do not depend
 # on the capacity (zeros past the positions in use add exact zeros), so neither does exactness;
@@ -31,11 +44,27 @@ DEVICE = {"cpu": "cpu", "cuda": "cuda", "openvino": "cpu"}
 CACHE_STEP = 64
 
 
-def _address(arr: np.ndarray) -> int:
-    """Data pointer of a C-contiguous array (cheaper than arr.ctypes.data on the hot path)."""
-    if not arr.flags.c_contiguous:
-        raise ValueError("step buffers must be C-contiguous")
-    return arr.__array_interface__["data"][0]
+def _address(arr) -> int:
+    """Data pointer of a C-contiguous array or torch tensor (cheaper than arr.ctypes.data on the hot path)."""
+    if isinstance(arr, np.ndarray):
+        if not arr.flags.c_contiguous:
+            raise ValueError("step buffers must be C-contiguous")
+        return arr.__array_interface__["data"][0]
+    if not arr.is_contiguous():
+        raise ValueError("step buffers must be contiguous")
+    return arr.data_ptr()
+
+
+def device_torch(provider: str, device: str):
+    """torch, for the device buffers of `provider`: ProviderError where it is missing or sees no device."""
+    try:
+        import torch
+    except ImportError:
+        raise ProviderError(f"provider {provider!r} keeps its caches and step outputs in torch tensors on the "
+                            "device: install torch (with CUDA)") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ProviderError(f"provider {provider!r}: torch {torch.__version__} sees no CUDA device")
+    return torch
 
 
 def check_provider(provider: str) -> None:
@@ -72,8 +101,14 @@ def openvino_options(device: str = "CPU", precision_hint: str | None = None) -> 
     return options
 
 
-def create_session(path: str, provider: str, threads: int | None, options: dict | None) -> ort.InferenceSession:
+def create_session(path: str, provider: str, threads: int | None, options: dict | None,
+                   torch=None) -> ort.InferenceSession:
+    """`torch`, where the provider's buffers are torch tensors on a CUDA device: ONNX Runtime runs on
+    torch's current stream, so that the steps and torch's own work on their tensors stay in order."""
     providers = list(PROVIDERS[provider])
+    if torch is not None and provider == "cuda":
+        options = {"device_id": torch.cuda.current_device(),
+                   "user_compute_stream": str(torch.cuda.current_stream().cuda_stream), **(options or {})}
     if options:
         providers[0] = (providers[0], {k: str(v) for k, v in options.items()})
     session = ort.InferenceSession(path, session_options(threads), providers=providers)
@@ -87,14 +122,22 @@ def create_session(path: str, provider: str, threads: int | None, options: dict 
 class GraphSession:
     """One graph (base or draft) with its in-place KV cache and preallocated step buffers."""
 
-    resident = False  # outputs are host arrays
-
     @staticmethod
     def check_artifact(manifest: dict, provider: str) -> None:
-        """ONNX Runtime runs ONNX artifacts, w8a8 ones only where its int8 products are right."""
+        """ONNX Runtime runs ONNX artifacts, w8a8 ones only where its int8 products are right; a
+        device provider only graphs whose operators all have its kernels."""
         target = manifest.get("target", "onnx")
         if target != "onnx":
             raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+        if provider in DEVICE_BUFFERS:
+            if manifest.get("attention") != "exact":
+                raise ProviderError("this artifact's fused attention passes GroupQueryAttention an attention_bias, "
+                                    f"which ONNX Runtime's {provider} kernel refuses: export it with --attention exact "
+                                    "(the default) to decode on that provider")
+            precisions = {manifest.get("precision"), manifest.get("draft_precision") or manifest.get("precision")}
+            if provider == "cuda" and not precisions <= set(CUDA_PRECISIONS):
+                raise ProviderError(f"a {'/'.join(sorted(precisions))} artifact would run part of each step on the CPU "
+                                    f"under provider {provider!r}: export it with --precision fp16 (or fp32, int8)")
         if manifest.get("precision") == "w8a8" and provider != "cuda" and not int8_dot_products():
             # Without VNNI, MLAS multiplies uint8 by int8 with vpmaddubsw, whose 16-bit pair sums saturate
             # on w8a8's full-range operands: the products would be wrong, not merely rounded. The openvino
@@ -127,39 +170,54 @@ class GraphSession:
         if self.grows and provider == "openvino":
             raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
                                 "does not keep: export with --attention fused for OpenVINO")
-        self.session = create_session(path, provider, threads, provider_options)
+        # Whether the caches and outputs are torch tensors on a device (DEVICE_BUFFERS), and which.
+        self.resident = provider in DEVICE_BUFFERS
+        self.buffer_device = DEVICE_BUFFERS.get(provider, "cpu")
+        self.torch = device_torch(provider, self.buffer_device) if self.resident else None
+        self.device_id = self.torch.cuda.current_device() if self.buffer_device == "cuda" else 0
+        self.session = create_session(path, provider, threads, provider_options, self.torch)
         self.spec = spec
         self.cache_length = cache_length
         self.max_tokens = max_tokens
         self.binding = self.session.io_binding()
         self.cache_names, self.cache_dtype, dims = io.cache_names, io.cache_dtype, io.cache_dims
+        self.dtypes = io.dtypes
         # A graph with exact attention (input cache_position) attends over its whole cache: host caches
-        # that grow (runtime/caches.py). Others get caches of cache_length where the provider keeps them.
-        if self.grows:
-            if self.device != "cpu":
-                raise ProviderError("graphs with exact attention run on host memory (provider cpu); "
-                                    "export with --attention fused for this provider")
+        # that grow, or device caches at their full length (runtime/caches.py). Others (fused attention
+        # on the host) get caches of cache_length.
+        if self.resident:
+            self.store = DeviceCaches(dims, self.cache_dtype, cache_length, max_tokens, io.dtypes["attention_bias"],
+                                      sequences, self.torch, self.buffer_device)
+            self._bind_store()
+        elif self.grows:
             self.store = HostCaches(dims, self.cache_dtype, cache_length, max_tokens, io.dtypes["attention_bias"],
                                     CACHE_STEP, sequences)
-            self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
+            self._bind_store()
         else:
+            self.store = None
             self._bind([ort.OrtValue.ortvalue_from_shape_and_type([1, h, cache_length, w], self.cache_dtype,
-                                                                  self.device, 0) for h, w in dims])
+                                                                  "cpu", 0) for h, w in dims])
         # One buffer per non-cache output, big enough for max_tokens rows; views of it are returned.
-        self.outputs: dict[str, np.ndarray] = {}
+        self.outputs = {}
         self._out_shapes = {name: io.shapes[name] for name in io.outputs}
         for name, shape in self._out_shapes.items():
-            self.outputs[name] = np.empty(int(np.prod(self._dims(shape, max_tokens, max_k))), io.dtypes[name])
+            size = int(np.prod(self._dims(shape, max_tokens, max_k)))
+            self.outputs[name] = (self.torch.empty(size, dtype=torch_dtype(self.torch, io.dtypes[name]),
+                                                   device=self.buffer_device)
+                                  if self.resident else np.empty(size, io.dtypes[name]))
         self.max_k = max_k
-        self.compactor: CacheCompactor | None = None  # made at the first move
 
     def _bind(self, caches: list) -> None:
-        """Bind every cache as both its past_* input and its present_* output."""
+        """Bind every cache (fused attention's OrtValues) as both its past_* input and its present_* output."""
         self.caches = caches
-        self._bound_range = None  # the sequences whose caches a slotted graph has bound (_bind_sequences)
         for name, value in zip(self.cache_names, caches):
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+
+    def _bind_store(self) -> None:
+        """Bind the store's caches whole (a slotted graph's step binds the sequences it holds)."""
+        self._bound_range = None
+        self._bind_sequences(0, self.store.sequences)
 
     @property
     def capacity(self) -> int:
@@ -169,7 +227,7 @@ class GraphSession:
         """Make growing caches hold at least `length` positions (with shrink, also at most a step
         more); returns the capacity. Other caches hold cache_length positions from the start."""
         if self.grows and self.store.reserve(length, shrink):
-            self._bind([ort.OrtValue.ortvalue_from_numpy(a) for a in self.store.arrays])
+            self._bind_store()
         return self.capacity
 
     @staticmethod
@@ -185,7 +243,7 @@ class GraphSession:
             view = a[first:end]
             for bound in (name, name.replace("past_", "present_")):
                 bind = self.binding.bind_input if bound == name else self.binding.bind_output
-                bind(bound, "cpu", 0, view.dtype, view.shape, _address(view))
+                bind(bound, self.buffer_device, self.device_id, self.cache_dtype, tuple(view.shape), _address(view))
         self._bound_range = (first, end)
 
     def run(self, inputs: dict[str, np.ndarray], k: int = 1, sequences: tuple[int, int] = (0, 1)) -> dict:
@@ -205,93 +263,50 @@ class GraphSession:
             if self.slotted:
                 self._bind_sequences(*sequences)
         for name, arr in inputs.items():
-            b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, _address(arr))
+            if isinstance(arr, np.ndarray):
+                b.bind_input(name, "cpu", 0, arr.dtype, arr.shape, _address(arr))
+            else:  # a device tensor: the draft's features
+                b.bind_input(name, self.buffer_device, self.device_id, self.dtypes[name], tuple(arr.shape),
+                             _address(arr))
         views = {}
         for name, shape in self._out_shapes.items():
             dims = self._dims(shape, t, k, r)
             buf = self.outputs[name][: int(np.prod(dims))].reshape(dims)
-            b.bind_output(name, "cpu", 0, buf.dtype, dims, _address(buf))
+            if self.resident:
+                b.bind_output(name, self.buffer_device, self.device_id, self.dtypes[name], dims, _address(buf))
+            else:
+                b.bind_output(name, "cpu", 0, buf.dtype, dims, _address(buf))
             views[name] = buf
         self.session.run_with_iobinding(b)
-        return views
+        if not self.resident:
+            return views
+        result = {name: DeviceRows(v) if name == "logits" else v if name == "hidden_states" else v.cpu().numpy()
+                  for name, v in views.items()}
+        if self.buffer_device == "cuda":
+            # Steps are timed by the caller; a verify step's logits stay on the device, so wait for them.
+            self.torch.cuda.synchronize()
+        return result
 
     def cache_arrays(self) -> list[np.ndarray]:
-        """The host caches themselves (CPU only), [sequences, heads, capacity, width] each."""
-        if self.device != "cpu":
+        """The host caches themselves, [sequences, heads, capacity, width] each."""
+        if self.resident:
             raise RuntimeError("cache_arrays() is only available for host-resident caches")
         return self.store.arrays if self.grows else [v.numpy() for v in self.caches]
 
     def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
         """Cache positions `source` of a sequence to [destination, destination + n): the compaction of
-        a cycle."""
-        if self.compactor is None:
-            self.compactor = CacheCompactor(self, self.provider)
-        self.compactor.move(source, destination, sequence)
+        a cycle, where the caches are (on the device, through torch)."""
+        if self.store is not None:
+            self.store.move(source, destination, sequence)
+            return
+        for a in self.cache_arrays():
+            a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]
 
-    def device_array(self, a: np.ndarray) -> np.ndarray:
-        return a
+    def device_array(self, a: np.ndarray):
+        return self.torch.from_numpy(a).to(self.buffer_device) if self.resident else a
 
     def keeps_exactness(self, manifest: dict, matches_decoding) -> bool:
-        """The claim stands as exported: the graphs are built for MLAS's fixed summation order
-        (export/onnx_graph.py), with nothing left to measure at load."""
-        return True
-
-
-def compaction_graph(n_caches: int, dtype) -> bytes:
-    """A graph that moves the accepted tree nodes' K/V rows into place, on the device.
-
-    For every cache: Gather the rows `source` along the sequence axis and TensorScatter them at
-    `destination` (the first free slot). The caches are bound in and out as the same buffers,
-    which ONNX Runtime's TensorScatter kernels recognise and update in place.
-    """
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    nodes, inputs, outputs = [], [], []
-    inputs.append(helper.make_tensor_value_info("source", TensorProto.INT64, ["n"]))
-    inputs.append(helper.make_tensor_value_info("destination", TensorProto.INT64, [1]))
-    for i in range(n_caches):
-        shape = [1, "heads", "length", f"width_{i}"]
-        inputs.append(helper.make_tensor_value_info(f"cache_{i}", elem, shape))
-        outputs.append(helper.make_tensor_value_info(f"out_{i}", elem, shape))
-        nodes.append(helper.make_node("Gather", [f"cache_{i}", "source"], [f"rows_{i}"], axis=2))
-        nodes.append(helper.make_node("TensorScatter", [f"cache_{i}", f"rows_{i}", "destination"], [f"out_{i}"],
-                                      axis=2))
-    graph = helper.make_graph(nodes, "kv_compaction", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
-    return model.SerializeToString()
-
-
-class CacheCompactor:
-    """Moves K/V rows `source` to [destination, destination + n) in every cache of a GraphSession.
-
-    Host-resident caches (CPU, and OpenVINO on CPU, whose onnxruntime build lacks TensorScatter)
-    are moved through numpy views of the bound buffers; device caches through compaction_graph.
-    """
-
-    def __init__(self, target: GraphSession, provider: str, use_graph: bool | None = None):
-        self.target = target
-        self.on_host = target.device == "cpu" if use_graph is None else not use_graph
-        if self.on_host:
-            return
-        graph = compaction_graph(len(target.caches), target.cache_dtype)
-        self.session = ort.InferenceSession(graph, session_options(1), providers=PROVIDERS[provider])
-        self.binding = self.session.io_binding()
-        self._bound = None  # the target's cache list when last bound (it changes when caches grow)
-        self.destination = np.zeros(1, np.int64)
-
-    def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
-        if self.on_host:
-            for a in self.target.cache_arrays():
-                a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]
-            return
-        if sequence:
-            raise ValueError("device caches hold one sequence")
-        self.destination[0] = destination
-        b = self.binding
-        if self._bound is not self.target.caches:
-            for i, value in enumerate(self.target.caches):
-                b.bind_ortvalue_input(f"cache_{i}", value)
-                b.bind_ortvalue_output(f"out_{i}", value)
-            self._bound = self.target.caches
-        b.bind_input("source", "cpu", 0, np.int64, source.shape, _address(source))
-        b.bind_input("destination", "cpu", 0, np.int64, [1], _address(self.destination))
-        self.session.run_with_iobinding(b)
+        """The claim stands as exported on the host: the graphs are built for MLAS's fixed summation
+        order (export/onnx_graph.py), with nothing left to measure at load. CUDA's kernels sum in
+        orders that follow the shapes: no claim there."""
+        return self.buffer_device == "cpu"

@@ -156,7 +156,7 @@ def step_costs(gen, prompt: list[int], context: int, rows=COST_ROWS, draft_depth
     """Verify seconds by rows and the draft's seconds per cycle of the artifact's default tree (and
     of trees of each of `draft_depths` at `draft_top_k`), with plain decoding's seconds a token:
     what a tree costs here, without the acceptance decoding that tune() runs."""
-    verify = verify_costs(gen, list(rows), context, reps=5)
+    verify = verify_costs(gen, sorted({1, *rows}), context, reps=5)  # one row: what the others are against
 
     def draft_ms(**tree) -> float:
         out = gen.generate(prompt, max_new_tokens=16, lookup=0, **tree)

@@ -1,7 +1,6 @@
 """EAGLE-3 heads in the official format: loaded and checked against their base, exported (the base
 graph then outputs the head's fused feature, the draft graph maps draft ids to base ids), and run
 by the shared runtime: lossless greedy and sampling, like EAGLE-1/2 heads."""
-import json
 
 import numpy as np
 import pytest

@@ -93,19 +93,3 @@ def test_sampling_with_an_agreeing_head_is_reproducible(agreeing):
     b = gen.chat(convs[0][:1], max_new_tokens=40, temperature=0.7, seed=5)
     assert a.token_ids == b.token_ids
     assert a.mean_accept_length > 1.2
-
-
-def test_device_compaction_graph_is_lossless_too(agreeing):
-    """The Gather -> TensorScatter graph that moves accepted rows on CUDA, run here on the CPU EP
-    against the same buffers, must give the same tokens as the host (numpy) path."""
-    from runtime.session import CacheCompactor
-    gen, convs = agreeing
-    host = gen.engine.base.compactor
-    gen.engine.base.compactor = CacheCompactor(gen.engine.base, "cpu", use_graph=True)
-    try:
-        for conv in convs[:4]:
-            spec = gen.chat(conv[:1], max_new_tokens=60)
-            assert spec.token_ids == gen.chat(conv[:1], max_new_tokens=60, speculative=False).token_ids
-            assert spec.mean_accept_length > 1.5
-    finally:
-        gen.engine.base.compactor = host

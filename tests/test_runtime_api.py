@@ -4,7 +4,6 @@ import shutil
 import threading
 import tracemalloc
 
-import numpy as np
 import pytest
 
 import runtime

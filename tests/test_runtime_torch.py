@@ -13,7 +13,6 @@ import torch
 
 import runtime
 from export.cli import main as export_main
-from export.common import ExportError
 from export.torch_export import IPEX_BF16_NEEDS, IPEX_BF16_TREE, export_torch, ipex_bf16_supported
 from models.attention import KEY_BLOCK, value_product
 from models.cpu import cpu_flags, cpu_name
