@@ -3,7 +3,9 @@
 # tiny-llama, tiny-qwen2 and random models of SmolLM2-135M's and Llama-3.2-1B's shapes (fp16,
 # --target torch), checks EAGLE-2 greedy against plain greedy and speculative sampling's distribution
 # on the GPU, with CUDA graphs and without, and measures verify cost by tree size and draft cost by
-# depth. Prints one table and writes it to OUT_DIR as gpu_check.md / gpu_check.json.
+# depth; where onnxruntime-gpu is installed, the same for provider="cuda" (tiny-llama fp16, exact
+# attention, caches and step outputs on the GPU). Prints one table and writes it to OUT_DIR as
+# gpu_check.md / gpu_check.json.
 #
 #   bash ci/gpu_check.sh [OUT_DIR] [runtime.gpu_check options]      (OUT_DIR defaults to $GPU_CHECK_OUT, else gpu_check_out)
 #

@@ -185,3 +185,39 @@ def test_unrolled_steps_see_what_a_drafted_chain_sees():
                 for q in range(last + 1, p + 1):
                     out = head(tok[:, q:q + 1], out, torch.tensor([[q]]), causal_bias(1, q), cache, q)
                 torch.testing.assert_close(steps[j - 1][:, p], out[:, 0], rtol=1e-3, atol=1e-4)
+
+
+def test_replies_made_by_the_engine_train_a_head(tmp_path, capsys):
+    """training.distill: greedy replies of the ONNX engine, several side by side, equal to generate()
+    alone, written to a compact file that an interrupted run continues; the trainer's --replies takes
+    them (reply tokens masked in, held-out conversations left out) and extracts their features."""
+    import runtime
+    from export.onnx_export import export_onnx
+    from models.registry import load_checkpoint
+    from training import distill
+    data = write_conversations(tmp_path / "convs.jsonl", n=30)
+    artifact = tmp_path / "tiny"
+    export_onnx(load_checkpoint("tiny-llama"), artifact, "fp32", 256, verify=False, log=lambda m: None)
+    out = tmp_path / "replies.npz"
+    args = [str(artifact), "--out", str(out), "--data", str(data), "--max-new-tokens", "12", "--parallel", "3",
+            "--chunk", "4"]
+    assert distill.main(args + ["--n", "4"]) == 0
+    assert distill.main(args + ["--n", "9"]) == 0  # continues after the first four
+    r = distill.read(out)
+    assert len(r["replies"]) == 9 and r["manifest"]["replies"] == 9 and r["manifest"]["precision"] == "fp32"
+    assert not any(is_dev(c, 2.0) for c in r["conversation_ids"])
+    gen = runtime.load(artifact)
+    for prompt, reply in zip(r["prompts"], r["replies"]):
+        assert gen.generate(prompt, max_new_tokens=12).token_ids == reply
+    with pytest.raises(SystemExit):
+        distill.main(args + ["--n", "9", "--max-new-tokens", "8"])  # other settings, same file
+    # The trainer's own torch loop on the same weights gives the same replies.
+    assert distill.main([str(artifact), "--data", str(data), "--n", "3", "--max-new-tokens", "8", "--parallel", "3",
+                         "--against-torch", "tiny-llama", "--torch-batch", "2"]) == 0
+    assert "same replies 3 of 3" in capsys.readouterr().out
+
+    head = tmp_path / "head"
+    s = main(["--base", "tiny-llama", "--out", str(head), "--data", str(data), "--max-tokens", "1000",
+              "--max-len", "160", "--batch-tokens", "640", "--epochs", "1", "--threads", "1",
+              "--replies", str(out)])
+    assert s["stats"]["extract_replies"]["tokens"] == sum(len(p) + len(q) for p, q in zip(r["prompts"], r["replies"]))

@@ -16,7 +16,8 @@ What it does, in order (each stage is cached under DIR and skipped when already 
    for --max-tokens, so changing --max-tokens regenerates the replies.
    --self-distill N additionally regenerates the first assistant reply of N training
    conversations with the base itself (batched, with a KV cache); its features come out of the
-   generation for free.
+   generation for free. --replies FILE takes replies made beforehand by the ONNX Runtime engine
+   (python -m training.distill, several times faster) and committed: only their features are made.
 3. Training, as in EAGLE-1/2: the head sees [embedding of token t+1, feature t] and predicts
    feature t+1. Loss = SmoothL1(feature) + 0.1 * cross-entropy between the base's next-token
    distribution (softmax of the frozen lm_head on the true feature t+1) and the lm_head on the
@@ -64,7 +65,7 @@ from tqdm import tqdm
 from models.checksums import sha256
 from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, additive_bias, causal_bias, eagle3_layers
-from models.train_data import (Conversation, Example, encode, prompt_ids, read_conversations, split,
+from models.train_data import (Example, encode, is_dev, prompt_ids, read_conversations, split,
                                write_dev_prompts)
 from models.weights import load_head
 
@@ -533,6 +534,9 @@ def parse_args(argv=None):
                     help="replies generated together; changing it keeps the cached replies (larger batches "
                          "are faster: prefill dominates)")
     ap.add_argument("--distill-max-prompt", type=int, default=256, help="skip longer first turns")
+    ap.add_argument("--replies", action="append", default=[], type=Path, metavar="FILE",
+                    help="self-distilled replies made by python -m training.distill (e.g. the committed "
+                         "data/distill/*.npz); repeatable. Their features are extracted like the conversations'")
     ap.add_argument("--epochs", type=float, default=3)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--warmup", type=float, default=0.05, help="warmup steps as a share of all steps")
@@ -581,6 +585,22 @@ class Selection:
     dev: list[Example]
     distill_prompts: list[tuple[str, np.ndarray]]   # (conversation id, first-turn prompt ids)
     dev_prompts: list[tuple[str, np.ndarray]]
+    replies: list[Example]                          # --replies: prompt + self-distilled reply, reply masked in
+
+
+def read_replies(paths: list[Path], dev_percent: float, max_len: int) -> list[Example]:
+    """The examples of replies files (training.distill), those of held-out conversations left out."""
+    from training.distill import read
+    out = []
+    for path in paths:
+        r = read(path)
+        for cid, prompt, reply in zip(r["conversation_ids"], r["prompts"], r["replies"]):
+            if is_dev(cid, dev_percent) or not reply:
+                continue
+            ids = np.asarray(prompt + reply, np.int32)[:max_len]
+            mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(reply), np.uint8)])[:max_len]
+            out.append(Example(cid, ids, mask))
+    return out
 
 
 def select_data(args, tok, out: Path) -> Selection:
@@ -616,10 +636,11 @@ def select_data(args, tok, out: Path) -> Selection:
             p = prompt_ids(tok, c)
             if len(p) <= args.distill_max_prompt and len(dev_prompts) < min(32, args.dev_conversations):
                 dev_prompts.append((c.id, p))
+    replies = read_replies(args.replies, args.dev_percent, args.max_len)
     log(f"{len(convs)} conversations: {len(train_convs)} train / {len(dev_convs)} dev; using {len(train_ex)} "
         f"train ({n_tok} tokens, {sum(int(e.mask.sum()) for e in train_ex)} assistant), {len(dev_ex)} dev, "
-        f"{len(distill_prompts)} self-distill prompts")
-    return Selection(train_ex, dev_ex, distill_prompts, dev_prompts)
+        f"{len(distill_prompts)} self-distill prompts, {len(replies)} self-distilled replies from files")
+    return Selection(train_ex, dev_ex, distill_prompts, dev_prompts, replies)
 
 
 def prepare_cache(args, ckpt, taps: tuple[int, ...], data: Selection, cache_dir: Path) -> str:
@@ -633,7 +654,7 @@ def prepare_cache(args, ckpt, taps: tuple[int, ...], data: Selection, cache_dir:
          **({"taps": list(taps)} if taps else {})},
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     fp = hashlib.sha256(cache_key.encode())
-    for e in data.train + data.dev:
+    for e in data.train + data.dev + data.replies:
         fp.update(e.ids.tobytes())
         fp.update(e.mask.tobytes())
     for _, p in data.distill_prompts + data.dev_prompts:
@@ -665,8 +686,11 @@ def compute_features(args, base: CausalLM, data: Selection, cache_dir: Path, dev
                                    "features (dev)", taps=taps)
     stats["extract_train"] = extract(base, data.train, cache_dir, "train", args.extract_batch_tokens, 16384, device,
                                      "features (train)", extract_end, taps)
-    for k in ("extract_train", "extract_dev"):
-        if stats[k]["seconds"]:
+    if data.replies:
+        stats["extract_replies"] = extract(base, data.replies, cache_dir, "replies", args.extract_batch_tokens, 16384,
+                                           device, "features (replies)", extract_end, taps)
+    for k in ("extract_train", "extract_dev", "extract_replies"):
+        if stats.get(k, {}).get("seconds"):
             log(f"{k}: {stats[k]['tokens']} tokens in {stats[k]['seconds']:.0f} s "
                 f"({stats[k]['tokens'] / stats[k]['seconds']:.0f} tok/s)")
     if args.self_distill:
@@ -860,9 +884,10 @@ def main(argv=None) -> dict:
     budget_end = t_start + 60 * args.time_budget if args.time_budget > 0 else None
     stats = compute_features(args, base, data, cache_dir, device, taps, budget_end,
                              args.resume and latest_checkpoint(ckpt_dir) is not None)
-    # Replies cached by an earlier run with --self-distill are not used by a run without it.
+    # Replies cached by an earlier run with --self-distill or --replies are not used by a run without it.
     train = merge_splits(load_split(cache_dir, "train"),
-                         load_split(cache_dir, "distill-train") if args.self_distill else None)
+                         load_split(cache_dir, "distill-train") if args.self_distill else None,
+                         load_split(cache_dir, "replies") if args.replies else None)
     dev = load_split(cache_dir, "dev")
     dev_distill = load_split(cache_dir, "distill-dev")
     if train is None:

@@ -87,7 +87,7 @@ def parser():
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start)")
     p.add_argument("--parallel", type=int,
                    help="requests decoded side by side, batched over one copy of the model (default 4 where the "
-                        "artifact can: ONNX with exact attention on the cpu provider; else 1)")
+                        "artifact can: ONNX with exact attention on the cpu or cuda provider; else 1)")
     p.add_argument("--workers", type=int, default=1,
                    help="copies of the model, each decoding one request at a time (for artifacts that cannot batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a worker; more get 429")

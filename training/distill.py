@@ -1,0 +1,179 @@
+"""Self-distilled replies made by the ONNX Runtime engine, many generations side by side, into a
+compact file that is committed with the project, so that a new machine trains on them without
+regenerating them (python -m models.train_head --replies FILE).
+
+    python -m training.distill ARTIFACT --out FILE.npz [--data sharegpt] [--skip 0] [--n 3000]
+        [--max-new-tokens 128] [--parallel 16] [--max-prompt 256]
+    python -m training.distill ARTIFACT --against-torch BASE [--n 32] ...   # speed against the trainer's loop
+
+Prompts: the first user turn (with any system turn) of the training split's conversations, in the
+trainer's order (models.train_data.split: the dev split stays held out), from the --skip-th on,
+skipping those longer than --max-prompt tokens. Replies: greedy, through the artifact's EAGLE-2
+tree, which is lossless: each reply is the one plain decoding of the artifact gives, end-of-turn
+token included. Use an fp32 artifact of the base the head is for (python -m export BASE
+--precision fp32): its replies are the base's own, up to rounding.
+
+The file (numpy .npz, compressed): prompt and reply token ids, concatenated (uint16 where the
+vocabulary fits), their lengths, the conversation ids, and a manifest (JSON, also written beside
+it as FILE.json) of how they were made. It is rewritten every --chunk replies, so an interrupted
+run continues where it stopped when started again with the same settings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+FORMAT = "eagle2-distilled-replies"
+SETTINGS = ("data", "skip", "max_new_tokens", "max_prompt", "artifact_sha256")
+
+
+def first_turn(conv) -> list[dict]:
+    first = next(k for k, m in enumerate(conv.messages) if m["role"] == "user")
+    return conv.messages[:first + 1]
+
+
+def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: float, seed: int):
+    """(conversation id, prompt ids) of up to n training conversations from the skip-th on."""
+    from models.train_data import read_conversations, split
+    train, _ = split(read_conversations(data), dev_percent, seed)
+    out = []
+    for conv in train[skip:]:
+        if len(out) >= n:
+            break
+        ids = gen.tokenizer.apply_chat_template(first_turn(conv))
+        if len(ids) <= max_prompt:
+            out.append((conv.id, ids))
+    return out
+
+
+def against_torch(gen, base_name: str, todo: list, max_new: int, batch: int) -> dict:
+    """The same prompts through the trainer's own batched torch loop (--self-distill's,
+    generate_batch, `batch` at a time) and through the engine: tokens/s of each, and how many
+    replies agree (both greedy on the same weights; fp32 rounding may break a near-tie otherwise)."""
+    import torch
+
+    from models.registry import load_checkpoint
+    from training.train_head import build_base, generate_batch
+    ckpt = load_checkpoint(base_name, no_head=True)
+    base = build_base(ckpt, max(len(q) for _, q in todo) + max_new + 8, torch.device("cpu"))
+    t0 = time.perf_counter()
+    loop = []
+    for start in range(0, len(todo), batch):
+        prompts = [np.asarray(q, np.int32) for _, q in todo[start:start + batch]]
+        for prompt, (ids, _, _) in zip(prompts, generate_batch(base, prompts, max_new, 0.0, None, "cpu")):
+            loop.append(ids[len(prompt):].tolist())
+    loop_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine = [o.token_ids for o in gen.generate_many([q for _, q in todo], max_new_tokens=max_new)]
+    engine_s = time.perf_counter() - t0
+    return {"prompts": len(todo), "torch_loop_tokens_per_s": sum(map(len, loop)) / loop_s,
+            "engine_tokens_per_s": sum(map(len, engine)) / engine_s,
+            "same_replies": sum(a == b for a, b in zip(loop, engine))}
+
+
+def read(path: Path) -> dict:
+    """A replies file: {"manifest", "conversation_ids", "prompts", "replies"} (lists of id lists)."""
+    with np.load(path, allow_pickle=False) as f:
+        manifest = json.loads(str(f["manifest"]))
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a replies file of this project (format {manifest.get('format')!r})")
+
+        def unflatten(name):
+            ends = np.cumsum(f[f"{name}_lengths"])
+            return [a.astype(np.int64).tolist() for a in np.split(f[f"{name}_ids"], ends[:-1])] if len(ends) else []
+        return {"manifest": manifest, "conversation_ids": f["conversation_ids"].tolist(),
+                "prompts": unflatten("prompt"), "replies": unflatten("reply")}
+
+
+def write(path: Path, manifest: dict, ids: list[str], prompt: list[list[int]], reply: list[list[int]]) -> None:
+    """Atomically: the .npz, then its manifest beside it."""
+    dtype = np.uint16 if manifest["vocab_size"] <= 1 << 16 else np.int32
+
+    def flat(seqs):
+        return np.asarray([t for s in seqs for t in s], dtype), np.asarray([len(s) for s in seqs], np.int32)
+    (p_ids, p_len), (r_ids, r_len) = flat(prompt), flat(reply)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, manifest=np.asarray(json.dumps(manifest)), conversation_ids=np.asarray(ids, dtype=str),
+                        prompt_ids=p_ids, prompt_lengths=p_len, reply_ids=r_ids, reply_lengths=r_len)
+    os.replace(tmp, path)
+    path.with_suffix(".json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.distill", description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", help="an ONNX artifact of the base (fp32 for the base's own replies)")
+    p.add_argument("--out", type=Path, help="the replies file (.npz) to write or continue")
+    p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl of conversations")
+    p.add_argument("--skip", type=int, default=0, help="start at this training conversation")
+    p.add_argument("--n", type=int, default=3000, help="replies to make (prompts that fit --max-prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=256, help="skip longer first turns")
+    p.add_argument("--parallel", type=int, default=16, help="generations side by side")
+    p.add_argument("--chunk", type=int, default=256, help="rewrite the file every this many replies")
+    p.add_argument("--dev-percent", type=float, default=2.0, help="the trainer's held-out share (keep it equal)")
+    p.add_argument("--seed", type=int, default=0, help="the trainer's split seed (keep it equal)")
+    p.add_argument("--against-torch", metavar="BASE", help="instead: time the first --n prompts through the "
+                   "trainer's batched torch loop on BASE (its alias or directory) and through the engine")
+    p.add_argument("--torch-batch", type=int, default=16, help="with --against-torch: the loop's batch")
+    a = p.parse_args(argv)
+    if not a.against_torch and (a.out is None or a.out.suffix != ".npz"):
+        p.error("--out FILE.npz is required")
+    import runtime
+    from models.cpu import cpu_name
+    gen = runtime.load(a.artifact, parallel=a.parallel)
+    try:
+        m = gen.manifest
+        settings = {"data": a.data, "skip": a.skip, "max_new_tokens": a.max_new_tokens, "max_prompt": a.max_prompt,
+                    "artifact_sha256": m["files"]["weights.bin"]}
+        todo = prompts(gen, a.data, a.skip, a.n, a.max_prompt, a.dev_percent, a.seed)
+        if a.against_torch:
+            r = against_torch(gen, a.against_torch, todo, a.max_new_tokens, a.torch_batch)
+            loop, engine = r["torch_loop_tokens_per_s"], r["engine_tokens_per_s"]
+            print(f"{r['prompts']} prompts x {a.max_new_tokens} tokens on {cpu_name()}: trainer's torch loop "
+                  f"(batch {a.torch_batch}) {loop:.1f} tok/s, engine (parallel {a.parallel}) {engine:.1f} tok/s "
+                  f"({engine / loop:.2f}x); same replies {r['same_replies']} of {r['prompts']}")
+            return 0
+        done = read(a.out) if a.out.exists() else None
+        if done is not None and {k: done["manifest"].get(k) for k in SETTINGS} != settings:
+            p.error(f"{a.out} was made with other settings ({ {k: done['manifest'].get(k) for k in SETTINGS} }): "
+                    "choose another --out")
+        ids, prompt_ids, replies = ([], [], []) if done is None else \
+            (done["conversation_ids"], done["prompts"], done["replies"])
+        seconds = 0.0 if done is None else done["manifest"]["seconds"]
+        if [c for c, _ in todo[:len(ids)]] != ids:
+            p.error(f"{a.out} holds replies to other prompts than --data/--skip give now")
+        manifest = {"format": FORMAT, **settings, "model": m["model"]["source"], "precision": m["precision"],
+                    "vocab_size": m["model"]["config"]["vocab_size"], "decoding": "greedy (EAGLE-2, lossless)",
+                    "prompts": "first user turn of training-split conversations, in the trainer's order",
+                    "dev_percent": a.dev_percent, "seed": a.seed, "machine": cpu_name(),
+                    "command": "python -m training.distill " + " ".join(sys.argv[1:] if argv is None else argv)}
+        bar = tqdm(total=len(todo), initial=len(ids), desc="replies", unit="reply", file=sys.stderr)
+        for start in range(len(ids), len(todo), a.chunk):
+            chunk = todo[start:start + a.chunk]
+            t0 = time.perf_counter()
+            for (cid, prompt), out in zip(chunk, gen.generate_many([q for _, q in chunk],
+                                                                   max_new_tokens=a.max_new_tokens)):
+                ids.append(cid)
+                prompt_ids.append(list(prompt))
+                replies.append(list(out.token_ids))
+            seconds += time.perf_counter() - t0
+            tokens = sum(len(r) for r in replies)
+            write(a.out, {**manifest, "replies": len(replies), "reply_tokens": tokens, "seconds": round(seconds, 1),
+                          "tokens_per_s": round(tokens / seconds, 1)}, ids, prompt_ids, replies)
+            bar.update(len(chunk))
+        bar.close()
+    finally:
+        gen.close()
+    print(f"{len(replies)} replies in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
