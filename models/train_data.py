@@ -172,10 +172,15 @@ def encode(tokenizer, conv: Conversation, max_len: int) -> Example | None:
     return Example(conv.id, ids, mask)
 
 
+def first_turn(conv: Conversation) -> list[dict]:
+    """The conversation's messages up to its first user turn (with any system turn)."""
+    first = next(k for k, m in enumerate(conv.messages) if m["role"] == "user")
+    return conv.messages[:first + 1]
+
+
 def prompt_ids(tokenizer, conv: Conversation) -> np.ndarray:
     """The conversation's first user turn (with any system turn) ready for generation."""
-    first = next(k for k, m in enumerate(conv.messages) if m["role"] == "user")
-    text = render(tokenizer, conv.messages[:first + 1], generation_prompt=True)
+    text = render(tokenizer, first_turn(conv), generation_prompt=True)
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
 
 

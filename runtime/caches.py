@@ -13,6 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 
+def move_positions(arrays: list, source, destination: int, sequence: int) -> None:
+    """Positions `source` of one sequence to [destination, destination + len(source)) in every
+    cache [sequences, heads, positions, width] (numpy arrays, or torch tensors and an index tensor)."""
+    for a in arrays:
+        a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]
+
+
 def torch_dtype(torch, dtype):
     """The torch dtype of a numpy dtype."""
     return torch.from_numpy(np.zeros(0, dtype)).dtype
@@ -95,8 +102,7 @@ class HostCaches(WholeCaches):
 
     def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
         """Positions `source` of one sequence to [destination, destination + len(source))."""
-        for a in self.arrays:
-            a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]
+        move_positions(self.arrays, source, destination, sequence)
 
 
 class DeviceCaches(WholeCaches):
@@ -118,5 +124,4 @@ class DeviceCaches(WholeCaches):
 
     def move(self, source: np.ndarray, destination: int, sequence: int = 0) -> None:
         index = self.torch.from_numpy(np.ascontiguousarray(source, np.int64)).to(self.device)
-        for a in self.arrays:
-            a[sequence, :, destination:destination + len(source)] = a[sequence].index_select(1, index)
+        move_positions(self.arrays, index, destination, sequence)

@@ -20,7 +20,7 @@ import onnxruntime as ort
 from models.cpu import int8_dot_products
 
 from .backend import GraphSpec, ProviderError
-from .caches import DeviceCaches, HostCaches, torch_dtype
+from .caches import DeviceCaches, HostCaches, move_positions, torch_dtype
 from .torch_device import DeviceRows
 
 PROVIDERS = {
@@ -28,7 +28,6 @@ PROVIDERS = {
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
     "openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"],
 }
-DEVICE = {"cpu": "cpu", "cuda": "cuda", "openvino": "cpu"}
 # Providers whose caches and step outputs are torch tensors on their device. Only exact attention's
 # graphs run there: every operator they hold has a CUDA kernel for the types they give it
 # (tests/test_runtime_cuda_path.py lists them with the kernel sources), while fused attention's
@@ -157,7 +156,6 @@ class GraphSession:
                  sequences: int = 1):
         check_provider(provider)
         self.provider = provider
-        self.device = DEVICE[provider]
         io = GraphSpec.parse(spec)
         # Exact attention holds the caches of several sequences and writes each row to its own
         # sequence's slot (cache_sequences, cache_slots; artifacts before it held one sequence and
@@ -298,9 +296,8 @@ class GraphSession:
         a cycle, where the caches are (on the device, through torch)."""
         if self.store is not None:
             self.store.move(source, destination, sequence)
-            return
-        for a in self.cache_arrays():
-            a[sequence][:, destination:destination + len(source)] = a[sequence][:, source]
+        else:
+            move_positions(self.cache_arrays(), source, destination, sequence)
 
     def device_array(self, a: np.ndarray):
         return self.torch.from_numpy(a).to(self.buffer_device) if self.resident else a

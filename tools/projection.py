@@ -102,6 +102,11 @@ def rank_probabilities(q1: float, beta: float, top_k: int):
     return q1 * beta ** np.arange(top_k)
 
 
+def max_q1(beta: float, top_k: int) -> float:
+    """The largest q1 whose top_k rank probabilities sum to at most 1."""
+    return (1 - beta) / (1 - beta ** top_k)
+
+
 def modelled_tau(q1: float, beta: float, depth: int, top_k: int, max_total: int):
     """tau by tree size (index = total tokens, root included) of EAGLE-2's tree (depth, top_k)
     for a draft whose rank-r candidate is the base's token with probability q1 * beta^(r-1): the
@@ -127,10 +132,11 @@ def fit_rank_model(tau: dict) -> dict:
     search on the squared error; with the largest relative error of the fit."""
     import numpy as np
     measured = {tuple(map(int, k.split("/"))): np.asarray(v) for k, v in tau.items()}
+    widest = max(k for _, k in measured)
     best = None
     for q1 in np.arange(0.20, 0.95, 0.005):
         for beta in np.arange(0.05, 0.95, 0.01):
-            if q1 * (1 - beta ** 10) / (1 - beta) > 1:
+            if q1 > max_q1(beta, widest):
                 continue
             err, worst = 0.0, 0.0
             for (d, k), m in measured.items():
@@ -146,7 +152,7 @@ def fit_rank_model(tau: dict) -> dict:
 def anchored_q1(beta: float, tree: str, target: float) -> float:
     """q1 at which the modelled tau of `tree` (total/depth/top_k) is `target` (bisection)."""
     total, depth, top_k = map(int, tree.split("/"))
-    lo, hi = 0.0, (1 - beta) / (1 - beta ** top_k)  # the rank probabilities sum to at most 1
+    lo, hi = 0.0, max_q1(beta, top_k)
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if modelled_tau(mid, beta, depth, top_k, total)[total] < target else (lo, mid)

@@ -34,14 +34,9 @@ FORMAT = "eagle2-distilled-replies"
 SETTINGS = ("data", "skip", "max_new_tokens", "max_prompt", "artifact_sha256")
 
 
-def first_turn(conv) -> list[dict]:
-    first = next(k for k, m in enumerate(conv.messages) if m["role"] == "user")
-    return conv.messages[:first + 1]
-
-
 def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: float, seed: int):
     """(conversation id, prompt ids) of up to n training conversations from the skip-th on."""
-    from models.train_data import read_conversations, split
+    from models.train_data import first_turn, read_conversations, split
     train, _ = split(read_conversations(data), dev_percent, seed)
     out = []
     for conv in train[skip:]:
