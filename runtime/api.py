@@ -14,7 +14,7 @@ from .engine import Engine
 from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
 from .providers import check_provider
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
-from .tuning import read_tuning
+from .tuning import plain_from, read_tuning
 
 
 @dataclass
@@ -46,10 +46,6 @@ class Generator:
         self.provider = provider
         self.engine = Engine(self.path, self.manifest, provider, max_length, threads, device, provider_options,
                              sequences=parallel)
-        self.scheduler: Scheduler | None = None
-        if parallel > 1:
-            self.scheduler = Scheduler(self.engine, row_budget)
-            self.scheduler.start()
         self.tokenizer = ChatTokenizer(self.path / self.manifest["tokenizer"])
         self.stop_ids = set(self.manifest["stop_token_ids"])
         # The tree used when a call names none: what `python -m runtime tune` chose for this provider,
@@ -58,13 +54,19 @@ class Generator:
         self.speculative_default = self.engine.draft is not None
         self.tree_source = "the artifact's default"
         tuned = read_tuning(self.path, provider)
-        if tuned is not None and self.engine.draft is not None:
+        if tuned is not None and "tree" in tuned and self.engine.draft is not None:
             self.tree_source = f"tuned on {tuned['machine']} ({tuned['date']})"
             if tuned["tree"] is None:
                 self.speculative_default = False
             else:
                 self.tree_defaults = dict(tuned["tree"])
         self.tree_defaults.setdefault("lookup", DEFAULT_LOOKUP)  # manifests and tunings that predate it
+        self.scheduler: Scheduler | None = None
+        if parallel > 1:
+            # A fixed row budget is the caller's policy; otherwise the tuned load from which plain steps win.
+            plain = None if row_budget is not None else plain_from(tuned, tree_label(self.tree_defaults))
+            self.scheduler = Scheduler(self.engine, row_budget, plain)
+            self.scheduler.start()
         self._lock = threading.Lock()
         self._owner: int | None = None
 
@@ -86,7 +88,10 @@ class Generator:
         """Which decoding a call without tree arguments gets, and where that choice comes from."""
         if not self.speculative_default:
             return f"plain decoding ({self.tree_source})" if self.engine.draft is not None else "plain decoding (no head)"
-        return f"EAGLE-2 tree {tree_label(self.tree_defaults)} ({self.tree_source})"
+        tree = f"EAGLE-2 tree {tree_label(self.tree_defaults)} ({self.tree_source})"
+        if self.scheduler is not None and self.scheduler.plain_from:
+            tree += f"; plain steps from {self.scheduler.plain_from} generations side by side (runtime tune --batch)"
+        return tree
 
     def tree(self, total_tokens=None, depth=None, top_k=None, lookup=None) -> dict:
         """The tree a call with these arguments gets: each None is the default tree's value (0 is a value)."""
@@ -291,7 +296,8 @@ def load(path, provider: str = "cpu", max_length: int | None = None, threads: in
     precision_hint) for OpenVINO); ipex or torch for torch artifacts, on `device` (cpu, cuda, xpu).
     parallel: how many generations may decode side by side, batched (ONNX artifacts with exact
     attention, on the cpu provider; the others decode one at a time); row_budget: the tree rows of
-    one such step, shared by EAGLE-2's rerank across them (None: each its own tree). More
+    one such step, shared by EAGLE-2's rerank across them (None: each its own tree, and from as many
+    generations side by side as `runtime tune --batch` found plain steps faster, plain steps). More
     generations than `parallel` wait for one to end."""
     return Generator(path, provider, max_length, threads, verify_checksums, device, provider_options, parallel,
                      row_budget)

@@ -4,8 +4,11 @@ One thread runs the Scheduler. Every generation runs until it needs a graph step
 context rows, or one frontier of its tree) or the base's (a prompt chunk, or its tree to verify).
 Each step of a graph holds the rows of every generation waiting for it, each row attending only to
 its own sequence (runtime/engine.Engine.run); between the draft's steps and the base's, EAGLE-2's
-rerank may share the base step's rows among the trees (row_budget). Generations join between steps
-when one of the engine's sequence slots is free, first come first served, and leave when they end.
+rerank may share the base step's rows among the trees (row_budget). From `plain_from` generations in
+flight on (what `runtime tune --batch` measured), generations take plain steps instead of drafting:
+once the cores are busy, a tree's extra rows cost more than they land. Generations join between
+steps when one of the engine's sequence slots is free, first come first served, and leave when they
+end.
 
 A step holds at most the engine's step_rows rows: the generations whose rows do not fit wait for
 the next step, those that waited first going first. Prompt chunks go in steps of their own, so that
@@ -54,13 +57,14 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, row_budget: int | None = None):
+    def __init__(self, engine: Engine, row_budget: int | None = None, plain_from: int | None = None):
         """row_budget: tree rows of one verify step for all generations (None: each its own tree; the
-        step's rows are still at most the engine's step_rows)."""
+        step's rows are still at most the engine's step_rows). plain_from: with this many generations
+        decoding or more, they draft no trees (seeded sampled ones excepted); None: always trees."""
         if not engine.slotted:
             raise ValueError("this artifact's graphs hold one sequence at a time (fused attention, a torch graph, or "
                              "an export before sequence slots): re-export it to decode sequences side by side")
-        self.engine, self.row_budget = engine, row_budget
+        self.engine, self.row_budget, self.plain_from = engine, row_budget, plain_from
         engine.release_solo()  # its slot goes to the scheduler's sequences
         self._waiting: list[Request] = []
         self._active: list[Request] = []
@@ -182,13 +186,18 @@ class Scheduler:
                     break
                 self._waiting.pop(0)
                 try:
-                    r.decoder = Decoder(self.engine, r.prompt, r.settings, r.stop_ids, seq=seq)
+                    r.decoder = Decoder(self.engine, r.prompt, r.settings, r.stop_ids, seq=seq,
+                                        speculate=None if r.settings.seeded_sampling else self._speculate)
                 except Exception as e:  # settings this generation cannot run with (a bad seed, say)
                     self.engine.close_sequence(seq)
                     r.tokens.put(e)
                     continue
                 r.steps = r.decoder.steps()
                 self._active.append(r)
+
+    def _speculate(self) -> bool:
+        """Whether a generation starting a cycle drafts a tree at the present load."""
+        return self.plain_from is None or len(self._active) < self.plain_from
 
     def _tree_sizes(self, trees: list[TreeSize]) -> list[int]:
         """Each tree's size: what it wants, or within row_budget its share of the step by EAGLE-2's

@@ -55,6 +55,11 @@ class Settings:
     sampling_top_k: int = 0
     seed: int | None = None
 
+    @property
+    def seeded_sampling(self) -> bool:
+        """A seeded sampled reply draws what it draws alone only with the trees it has alone."""
+        return self.temperature > 0 and self.seed is not None
+
     def check(self, engine: Engine) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -107,7 +112,10 @@ class Decoder:
     and each tree's size before it goes on."""
 
     def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int],
-                 seq: Sequence | None = None):
+                 seq: Sequence | None = None, speculate=None):
+        """speculate: asked before each cycle whether to draft a tree (a scheduler under load may
+        find plain steps faster: runtime/batch.py); None, always. Either way greedy output is the
+        same, and sampled output keeps its distribution."""
         check_request(engine, prompt, settings)
         self.engine, self.prompt, self.s, self.stop_ids = engine, np.asarray(prompt, np.int64), settings, stop_ids
         self.rng = np.random.default_rng(settings.seed)
@@ -118,6 +126,7 @@ class Decoder:
         self.stats = Stats(prompt_tokens=len(prompt))
         self.finish_reason: str | None = None
         self.seq = seq or engine.solo
+        self.speculate = speculate or (lambda: True)
         if seq is None:
             engine.start(len(prompt))
             for key in engine.timings:
@@ -165,7 +174,7 @@ class Decoder:
             hidden, ids, logp = self.engine.finish_draft(part)
             pool.expand(ids, logp)
         size = yield TreeSize(pool.scores[:pool.size], min(self.s.total_tokens, limit), self.s.lookup,
-                              self.s.temperature > 0 and self.s.seed is not None)
+                              self.s.seeded_sampling)
         tree = pool.select(size)
         if self.history is None:
             return tree
@@ -199,9 +208,9 @@ class Decoder:
         yield from self._emit([root])
         if self.history is not None:
             self.history.extend(np.append(self.prompt, root))
-        head = None
-        if s.speculative and not self.finish_reason:
-            head = yield from self._draft_context(0, np.append(self.prompt[1:], root), prompt=True)
+        # The head reads position j's feature with token j + 1; it lags behind the cache while
+        # cycles go without a tree, and catches up in one step when a tree is drafted again.
+        head, unread = None, (self.prompt[1:].tolist() + [root]) if s.speculative else []
         while not self.finish_reason:
             # The sequence is context + 1 tokens long; a cycle adds at most as many as it verifies.
             room = e.max_length - (context + 1)
@@ -209,7 +218,12 @@ class Decoder:
                 self._finish("length")
                 break
             limit = min(room, e.key_block - context % e.key_block)
-            if s.speculative and limit > 1 and s.total_tokens > 1:
+            if s.speculative and limit > 1 and s.total_tokens > 1 and self.speculate():
+                if unread:
+                    start = context - len(unread)
+                    head = yield from self._draft_context(start, np.asarray(unread, np.int64),
+                                                          prompt=start == 0 or len(unread) > MAX_TOP_K)
+                    unread = []
                 tree = yield from self._draft_tree(root, context, head, limit)
             else:
                 tree = tree_from_parents([root], [-1])
@@ -222,8 +236,8 @@ class Decoder:
             yield from self._emit(new)
             if self.history is not None:
                 self.history.extend(new)
-            if s.speculative and not self.finish_reason:
-                head = yield from self._draft_context(context, np.asarray(new, np.int64))
+            if s.speculative:
+                unread += new
             context += len(accepted)
             root = bonus
 

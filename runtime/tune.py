@@ -2,12 +2,18 @@
 
     python -m runtime tune ARTIFACT [--provider cpu] [--prompts FILE.jsonl] [--n 6] [--max-new-tokens 96]
                                     [--depths 0,1,2,3,4] [--top-ks 1,2,3,4] [--plot tune.png]
+    python -m runtime tune ARTIFACT --batch 16      # generations side by side: when plain steps win
 
 What a tree is worth depends on the machine: the verify step's cost grows with the tree at a rate
 set by the kernels and the cores, the draft's with depth and branching. This measures both here,
 measures acceptance on a few prompts, predicts tokens/s = tau / (verify + draft + host) for every
 tree, confirms the best few by decoding side by side with plain decoding, and records the winner
 in ARTIFACT/tuning.json, which runtime.load uses by default for that provider.
+
+With many generations decoded side by side (runtime.load(..., parallel=N)), a step's extra tree rows
+compete with other generations' rows for the cores: `--batch N` decodes the prompts 1, 2, 4 ... N at
+a time with the default tree and with plain steps, and records from how many in flight plain steps
+got more tokens through; the scheduler then drafts no trees at that load.
 
 One speculative run per (depth, top_k) gives tau for every total_tokens at once: greedy output
 does not depend on the tree, and a tree of n tokens is the n - 1 best-scored nodes of the pool, so
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +36,7 @@ from models.cpu import cpu_name
 
 from .generation import DEFAULT_LOOKUP, Decoder, as_tree, tree_label
 from .prompts import load_prompts
-from .tuning import TUNING_FILE
+from .tuning import write_tuning
 
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
@@ -152,6 +160,66 @@ def tune(gen, prompts: list[list[int]], depths, top_ks, max_new: int) -> dict:
             "predicted": predicted[:20]}
 
 
+def batch_levels(parallel: int) -> list[int]:
+    """1, 2, 4 ... up to parallel, parallel included."""
+    levels = [1]
+    while levels[-1] * 2 < parallel:
+        levels.append(levels[-1] * 2)
+    return levels + [parallel] if parallel > 1 else levels
+
+
+def batch_speeds(gen, prompts: list[list[int]], max_new: int, levels: list[int]) -> list[dict]:
+    """Generated tokens/s with c generations in flight (c client threads, 2c requests, the prompts
+    in turn) for each c of levels, with the default tree and with plain steps, on a Generator loaded
+    with parallel >= max(levels) whose scheduler drafts trees at every load. Greedy replies of the
+    two must be equal."""
+    out = []
+    for c in levels:
+        requests = [prompts[i % len(prompts)] for i in range(max(2 * c, len(prompts)))]
+        speed, replies = {}, {}
+        for mode, speculative in (("trees", True), ("plain", False)):
+            start = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                got = list(pool.map(lambda p: gen.generate(p, max_new_tokens=max_new, speculative=speculative),
+                                    requests))
+            speed[mode] = sum(len(g.token_ids) for g in got) / (time.perf_counter() - start)
+            replies[mode] = [g.token_ids for g in got]
+        if replies["trees"] != replies["plain"]:
+            raise AssertionError(f"{c} in flight: speculative replies differ from plain decoding")
+        out.append({"sequences": c, "trees_tokens_per_s": speed["trees"], "plain_tokens_per_s": speed["plain"]})
+        print(f"{c:>3} in flight: trees {speed['trees']:.1f} tok/s, plain {speed['plain']:.1f} tok/s",
+              file=sys.stderr)
+    return out
+
+
+def plain_threshold(levels: list[dict]) -> int | None:
+    """The fewest generations in flight from which plain steps win, plain being faster at every larger
+    load measured: where log(plain / trees) crosses zero, interpolated in log2 of the load between the
+    last level where trees were as fast and the first where plain was faster."""
+    first = None
+    for i in reversed(range(len(levels))):
+        if levels[i]["plain_tokens_per_s"] <= levels[i]["trees_tokens_per_s"]:
+            break
+        first = i
+    if first is None or first == 0:
+        return None if first is None else levels[0]["sequences"]
+    lo, hi = levels[first - 1], levels[first]
+    gain = [math.log(v["plain_tokens_per_s"] / v["trees_tokens_per_s"]) for v in (lo, hi)]
+    x = math.log2(lo["sequences"]) + gain[0] / (gain[0] - gain[1]) * math.log2(hi["sequences"] / lo["sequences"])
+    return min(hi["sequences"], max(lo["sequences"] + 1, math.ceil(2 ** x)))
+
+
+def tune_batch(gen, prompts: list[list[int]], max_new: int) -> dict:
+    """Measure batch_speeds up to the Generator's parallel generations; the threshold and the figures."""
+    if gen.scheduler is None or not gen.speculative_default:
+        raise ValueError("nothing to choose: " + ("this artifact's generations decode one at a time here"
+                         if gen.scheduler is None else "its default here is plain decoding"))
+    gen.scheduler.plain_from = None  # measure trees at every load, whatever an earlier tuning found
+    levels = batch_speeds(gen, prompts, max_new, batch_levels(gen.engine.sequences))
+    return {"tree": tree_label(gen.tree_defaults), "plain_from": plain_threshold(levels), "machine": cpu_name(),
+            "date": time.strftime("%Y-%m-%d"), "max_new_tokens": max_new, "levels": levels}
+
+
 def step_costs(gen, prompt: list[int], context: int, rows=COST_ROWS, draft_depths=(), draft_top_k: int = 10) -> dict:
     """Verify seconds by rows and the draft's seconds per cycle of the artifact's default tree (and
     of trees of each of `draft_depths` at `draft_top_k`), with plain decoding's seconds a token:
@@ -223,8 +291,12 @@ def main(argv=None) -> int:
     p.add_argument("--draft-depths", default="", help="with costs only: also time the draft of trees of these depths "
                    "(at --draft-top-k), e.g. 1,2,3,4,5,6")
     p.add_argument("--draft-top-k", type=int, default=10)
+    p.add_argument("--batch", type=int, metavar="N", help="instead of the tree: decode 1, 2, 4 ... N generations side "
+                   "by side with the default tree and with plain steps, and record from how many plain steps win")
     a = p.parse_args(argv)
     import runtime
+    if a.batch:
+        return _main_batch(a)
     gen = runtime.load(a.artifact, provider=a.provider)
     if gen.engine.draft is None:
         p.error("the artifact has no draft head: there is no tree to tune")
@@ -255,10 +327,7 @@ def main(argv=None) -> int:
             Path(a.json).write_text(json.dumps(costs, indent=2) + "\n")
         return 0
     result = tune(gen, prompts, depths, top_ks, a.max_new_tokens)
-    path = Path(a.artifact) / TUNING_FILE
-    tuning = json.loads(path.read_text()) if path.is_file() else {}
-    tuning[a.provider] = result
-    path.write_text(json.dumps(tuning, indent=2) + "\n")
+    path = write_tuning(a.artifact, a.provider, **result)
     print(f"plain decoding: {result['plain_tokens_per_s']:.1f} tok/s on {result['machine']}")
     for c in result["confirmed"]:
         print(f"tree {c['tree']:>8}: {c['tokens_per_s']:.1f} tok/s ({c['speedup']:.2f}x)")
@@ -268,6 +337,25 @@ def main(argv=None) -> int:
     if a.plot:
         plot(result, a.plot)
         print(f"plot: {a.plot}")
+    return 0
+
+
+def _main_batch(a) -> int:
+    import runtime
+    gen = runtime.load(a.artifact, provider=a.provider, parallel=a.batch)
+    try:
+        prompts = [gen.tokenizer.apply_chat_template([{"role": "user", "content": q.text}])
+                   for q in load_prompts(a.prompts)[: a.n]]
+        result = tune_batch(gen, prompts, a.max_new_tokens)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        gen.close()
+    path = write_tuning(a.artifact, a.provider, batch=result)
+    when = (f"plain steps from {result['plain_from']} generations side by side" if result["plain_from"]
+            else "trees at every load measured")
+    print(f"chosen for provider {a.provider}, tree {result['tree']}: {when}; written to {path}")
     return 0
 
 

@@ -14,7 +14,8 @@ from export.onnx_graph import EXACT_KEY_BLOCK
 from models.cpu import int8_dot_products
 from models.registry import load_checkpoint
 from runtime.engine import NoRoom
-from runtime.generation import PromptTooLongError
+from runtime.generation import Decoder, PromptTooLongError, tree_label
+from runtime.tuning import write_tuning
 
 BLOCK = EXACT_KEY_BLOCK
 MAX_LENGTH = 2 * BLOCK
@@ -199,3 +200,73 @@ def test_a_row_budget_shares_each_step_and_keeps_every_output(tmp_path, monkeypa
             [w.token_ids for w in want]
     finally:
         batched.close()
+
+
+class RecordingDecoder(Decoder):
+    """Keeps every drafted tree by the context it was drafted at."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trees = {}
+
+    def _draft_tree(self, root, context, head, limit):
+        tree = yield from super()._draft_tree(root, context, head, limit)
+        self.trees[context] = (tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist())
+        return tree
+
+
+def test_cycles_without_a_tree_leave_the_head_exact(tmp_path):
+    """A generation that skips drafting for some cycles (as under load) gives the same greedy tokens,
+    and when it drafts again, after the head has caught up on the tokens it skipped in one step,
+    it drafts bitwise the tree a generation that drafted every cycle drafts at that context."""
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=256, verify=False,
+                log=lambda m: None)
+    gen = runtime.load(tmp_path / "a")
+    prompt = gen.tokenizer.encode(PROMPTS[0])
+    settings = gen._settings(60, True, 8, 3, 2, 4, 0.0, 1.0, 0, None)
+    always = RecordingDecoder(gen.engine, prompt, settings, gen.stop_ids)
+    want = [t for part in always.tokens() for t in part]
+    cycles = iter([True, False, False, True, False, True, True, False, False, False] * 20)
+    sometimes = RecordingDecoder(gen.engine, prompt, settings, gen.stop_ids, speculate=lambda: next(cycles))
+    assert [t for part in sometimes.tokens() for t in part] == want
+    assert 1 in sometimes.stats.accept_lengths                      # plain cycles ran
+    shared = set(always.trees) & set(sometimes.trees)
+    assert len(shared) >= 5 and len(sometimes.trees) < len(always.trees)
+    assert all(always.trees[c] == sometimes.trees[c] for c in shared)
+
+
+def test_plain_steps_under_the_tuned_load_keep_every_output(tmp_path, monkeypatch):
+    """With `runtime tune --batch` having found plain steps faster from 3 generations on, four side by
+    side draft no trees until fewer than 3 remain, then draft again; every greedy and seeded reply
+    is still the one generate() gives alone (seeded sampled ones keep their trees throughout)."""
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=256, verify=False,
+                log=lambda m: None)
+    alone = runtime.load(tmp_path / "a")
+    write_tuning(tmp_path / "a", "cpu", batch={"tree": tree_label(alone.tree_defaults), "plain_from": 3})
+    batched = runtime.load(tmp_path / "a", parallel=4)
+    assert batched.scheduler.plain_from == 3 and "plain steps from 3" in batched.describe_default()
+    assert alone.scheduler is None and "plain steps" not in alone.describe_default()
+    steps = []  # (generations decoding, tree rows verified) per base step with a tree row
+    run = batched.engine.run
+    monkeypatch.setattr(batched.engine, "run", lambda parts: steps.append(
+        (batched.scheduler.load[0], [p.rows for p in parts if p.kind == "verify"])) or run(parts))
+    try:
+        lengths = [10, 60, 25, 40]  # generations end one after another
+        want = [alone.generate(p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
+        runs = [batched.events(p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
+        assert [batched._drain(r).token_ids for r in runs] == [w.token_ids for w in want]
+        verify = [(active, rows) for active, rows in steps if rows]
+        assert all(set(rows) == {1} for active, rows in verify if active >= 3)
+        assert any(max(rows) > 1 for active, rows in verify if active < 3)
+        sampled = dict(temperature=0.7, seed=3)
+        want = [alone.generate(p, max_new_tokens=30, **sampled) for p in PROMPTS]
+        steps.clear()
+        assert [g.token_ids for g in batched.generate_many(PROMPTS, max_new_tokens=30, **sampled)] == \
+            [w.token_ids for w in want]
+        assert any(max(rows) > 1 for active, rows in steps if rows and active >= 3)
+    finally:
+        batched.close()
+    # A fixed row budget is the caller's own policy; a tuning measured with another tree does not apply.
+    assert runtime.load(tmp_path / "a", parallel=2, row_budget=8).scheduler.plain_from is None
+    write_tuning(tmp_path / "a", "cpu", batch={"tree": "9/9/9", "plain_from": 3})
+    assert runtime.load(tmp_path / "a", parallel=2).scheduler.plain_from is None

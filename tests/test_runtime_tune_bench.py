@@ -11,7 +11,7 @@ from export.common import DEFAULT_TREE
 from runtime.generation import DEFAULT_LOOKUP, as_tree, tree_label
 from runtime import tune
 from runtime.prompts import load_prompts
-from runtime.tuning import read_tuning
+from runtime.tuning import TUNING_FILE, read_tuning
 from tools import acceptance, bench
 
 # The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
@@ -37,7 +37,7 @@ def artifact(tiny_artifact, tmp_path):
 def test_tune_records_a_tree_the_runtime_uses(artifact, capsys):
     assert tune.main([str(artifact), "--n", "2", "--max-new-tokens", "24", "--depths", "1,2", "--top-ks", "1,2",
                       "--plot", str(artifact / "tune.png")]) == 0
-    result = json.loads((artifact / tune.TUNING_FILE).read_text())["cpu"]
+    result = json.loads((artifact / TUNING_FILE).read_text())["cpu"]
     assert result["machine"] and result["plain_tokens_per_s"] > 0 and len(result["confirmed"]) == 2 * tune.CONFIRM
     # every candidate is confirmed with and without the lookup branch
     assert sum("+" in c["tree"] for c in result["confirmed"]) == tune.CONFIRM
@@ -79,7 +79,7 @@ def test_tune_measures_costs_only_where_acceptance_would_take_too_long(artifact,
     assert tune.main([str(artifact), "--budget-minutes", "0.0001", "--n", "2", "--json", str(out)]) == 0
     err = capsys.readouterr().err
     assert "measuring costs only, choosing no tree" in err
-    assert not (artifact / tune.TUNING_FILE).exists()
+    assert not (artifact / TUNING_FILE).exists()
     costs = json.loads(out.read_text())
     assert [int(n) for n in costs["verify_ms"]] == list(tune.COST_ROWS)
     assert costs["verify_vs_one_row"]["1"] == 1.0
@@ -231,3 +231,44 @@ def test_artifact_specs_name_provider_and_openvino_hint():
     assert bench.split_spec("a/b@openvino", "cpu") == ("a/b", "openvino", None)
     with pytest.raises(SystemExit, match="OpenVINO option"):
         bench.split_spec("a/b@cpu:bf16", "cpu")
+
+
+def test_batch_levels_and_threshold():
+    assert tune.batch_levels(1) == [1] and tune.batch_levels(16) == [1, 2, 4, 8, 16]
+    assert tune.batch_levels(6) == [1, 2, 4, 6]
+    speeds = lambda *pairs: [{"sequences": 2 ** i, "trees_tokens_per_s": t, "plain_tokens_per_s": p}
+                             for i, (t, p) in enumerate(pairs)]
+    assert tune.plain_threshold(speeds((130, 90), (200, 210), (230, 300))) == 2
+    # plain must stay faster at every larger load measured; between 4 (trees 5 % ahead) and 8 (plain
+    # 30 % ahead) the crossing is interpolated: 2 ** (2 + 0.045 / 0.31) = 4.4
+    assert tune.plain_threshold(speeds((130, 90), (200, 210), (230, 220), (230, 300))) == 5
+    assert tune.plain_threshold(speeds((130, 90), (200, 150))) is None
+    assert tune.plain_threshold(speeds((100, 120), (200, 300))) == 1
+
+
+def test_tune_batch_records_from_how_many_plain_steps_win(artifact, capsys):
+    assert tune.main([str(artifact), "--batch", "4", "--n", "3", "--max-new-tokens", "16"]) == 0
+    result = read_tuning(artifact, "cpu")["batch"]
+    assert [level["sequences"] for level in result["levels"]] == [1, 2, 4]
+    assert all(level["trees_tokens_per_s"] > 0 and level["plain_tokens_per_s"] > 0 for level in result["levels"])
+    assert result["plain_from"] == tune.plain_threshold(result["levels"]) and result["tree"] == DEFAULT_NAME
+    assert "chosen for provider cpu, tree " + DEFAULT_NAME in capsys.readouterr().out
+    batched = runtime.load(artifact, parallel=4)
+    try:
+        assert batched.scheduler.plain_from == result["plain_from"]
+    finally:
+        batched.close()
+    # Only the batch was tuned: one generation at a time keeps the artifact's tree.
+    assert "the artifact's default" in runtime.load(artifact).describe_default()
+
+
+def test_batch_bench_runs_trees_and_plain_steps_side_by_side(artifact):
+    from tools import batch_bench
+    result = batch_bench.run(str(artifact), "builtin", [1, 2], [None], 12, plain_from=(1,))
+    side = [r for r in result["rows"] if r["mode"] == "side by side"]
+    assert [(r["concurrency"], r["plain_from"]) for r in side] == [(1, None), (2, None), (1, 1), (2, 1)]
+    assert all(r["tokens_per_s"] > 0 and r["verify_ms"] > 0 for r in side)
+    assert all(r["draft_ms"] == 0 for r in side if r["plain_from"] == 1)
+    assert "| side by side | 2 | none | 1 |" in batch_bench.table(result)
+    with pytest.raises(SystemExit, match="runtime tune"):
+        batch_bench.run(str(artifact), "builtin", [2], [], 12, plain_from=("tuned",))

@@ -3,11 +3,14 @@ after another, in one run on one machine: generated tokens per second of wall ti
 with and without a row budget shared across the batch, each reply checked equal to its reply alone.
 
     python -m runtime.batch_bench ARTIFACT [--prompts mtbench:2] [--concurrency 1,2,4,8]
-                                  [--row-budgets none,16,32] [--max-new-tokens 96] [--json out.json]
+                                  [--row-budgets none,16,32] [--plain-from tuned,1] [--max-new-tokens 96]
+                                  [--json out.json]
 
 Concurrency c keeps c requests in flight (c client threads) on one Generator loaded with
 parallel = the largest c; "one at a time" is the same requests through generate() on a Generator
-loaded without it. Greedy. Nothing else may run on the machine meanwhile.
+loaded without it. --plain-from adds runs whose generations take plain steps from that many in
+flight (1: always; "tuned": what `runtime tune --batch` recorded). Greedy. Nothing else may run on
+the machine meanwhile.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ def _budget(text: str) -> int | None:
 
 
 def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | None], max_new: int,
-        threads: int | None = None) -> dict:
+        threads: int | None = None, plain_from: tuple = ()) -> dict:
+    """plain_from: values of the scheduler's plain_from to run besides the budgets (with no budget),
+    "tuned" for the artifact's tuning."""
     alone = runtime.load(artifact, threads=threads)
     prompts = [alone.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
                for p in load_prompts(prompt_spec)]
@@ -41,8 +46,15 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
     rows = [{"mode": "one at a time", "concurrency": 1, "row_budget": None, "seconds": sequential_s,
              "tokens_per_s": tokens / sequential_s, "vs_one_at_a_time": 1.0, "rows_per_step": None}]
     del alone
-    for budget in budgets:
+    configs = [(budget, None) for budget in budgets] + [(None, value) for value in plain_from]
+    for budget, plain in configs:
         gen = runtime.load(artifact, threads=threads, parallel=max(levels), row_budget=budget)
+        if plain != "tuned":
+            gen.scheduler.plain_from = plain
+        elif gen.scheduler.plain_from is None:
+            raise SystemExit(f"{artifact} has no batch tuning for its tree: run `python -m runtime tune {artifact} "
+                             f"--batch {max(levels)}` first")
+        plain = gen.scheduler.plain_from
         for c in levels:
             steps, step_rows = gen.scheduler.steps, gen.scheduler.rows
             for key in gen.engine.timings:
@@ -50,7 +62,8 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
             start = time.perf_counter()
             with ThreadPoolExecutor(c) as pool:
                 got = list(tqdm(pool.map(lambda p: gen.generate(p, max_new_tokens=max_new), prompts),
-                                total=len(prompts), desc=f"{c} side by side, budget {budget}", file=sys.stderr))
+                                total=len(prompts), desc=f"{c} side by side, budget {budget}, plain from {plain}",
+                                file=sys.stderr))
             seconds = time.perf_counter() - start
             mismatched = sum(g.token_ids != w.token_ids for g, w in zip(got, want))
             if mismatched:
@@ -60,7 +73,8 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
             # per base step: the graphs' time, and the rest (Python: trees, acceptance, scheduling)
             per_step = {f"{k}_ms": 1e3 * v / ran for k, v in graphs.items()}
             per_step["host_ms"] = 1e3 * (seconds - sum(graphs.values())) / ran
-            rows.append({"mode": "side by side", "concurrency": c, "row_budget": budget, "seconds": seconds,
+            rows.append({"mode": "side by side", "concurrency": c, "row_budget": budget, "plain_from": plain,
+                         "seconds": seconds,
                          "tokens_per_s": tokens / seconds, "vs_one_at_a_time": sequential_s / seconds,
                          "rows_per_step": (gen.scheduler.rows - step_rows) / ran, **per_step})
         gen.close()
@@ -71,14 +85,16 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
 def table(result: dict) -> str:
     lines = [f"{result['requests']} requests ({result['prompts']}), {result['max_new_tokens']} new tokens at most, "
              f"greedy, {result['generated_tokens']} tokens in all; {result['machine']}", "",
-             "| decoding | concurrency | row budget | rows a base step | prefill / draft / verify / host ms a step "
-             "| tokens/s | vs one at a time |", "|---|---|---|---|---|---|---|"]
+             "| decoding | concurrency | row budget | plain steps from | rows a base step "
+             "| prefill / draft / verify / host ms a step | tokens/s | vs one at a time |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         per_step = f"{r['rows_per_step']:.1f}" if r["rows_per_step"] else "-"
         split = " / ".join(f"{r[k + '_ms']:.1f}" for k in ("prefill", "draft", "verify", "host")) \
             if "host_ms" in r else "-"
-        budget = "-" if r["mode"] == "one at a time" else (r["row_budget"] or "none")
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {budget} | {per_step} | {split} | "
+        alone = r["mode"] == "one at a time"
+        budget = "-" if alone else (r["row_budget"] or "none")
+        plain = "-" if alone else (r.get("plain_from") or "never")
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {budget} | {plain} | {per_step} | {split} | "
                      f"{r['tokens_per_s']:.1f} | {r['vs_one_at_a_time']:.2f}x |")
     return "\n".join(lines)
 
@@ -89,13 +105,16 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="mtbench:2", help="a prompt set (runtime/prompts.py)")
     p.add_argument("--concurrency", default="1,2,4,8", help="requests in flight, comma-separated")
     p.add_argument("--row-budgets", default="none", help="tree rows a step for all ('none': each its own tree)")
+    p.add_argument("--plain-from", default="", help="also run with plain steps from this many generations in "
+                   "flight, comma-separated (1: always plain; 'tuned': the artifact's `runtime tune --batch`)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int)
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
+    plain = tuple(v if v == "tuned" else int(v) for v in a.plain_from.split(",") if v)
     result = run(a.artifact, a.prompts, levels, [_budget(b) for b in a.row_budgets.split(",")], a.max_new_tokens,
-                 a.threads)
+                 a.threads, plain)
     print(table(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
