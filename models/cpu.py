@@ -31,3 +31,9 @@ def int8_dot_products() -> bool:
     flags = cpu_flags()
     return (not flags or platform.machine().lower() not in ("x86_64", "amd64")
             or bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"}))
+
+
+def bf16_matmuls() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AMX or AVX512-BF16); elsewhere torch emulates
+    bf16, slower than fp32."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})

@@ -221,3 +221,30 @@ def test_replies_made_by_the_engine_train_a_head(tmp_path, capsys):
               "--max-len", "160", "--batch-tokens", "640", "--epochs", "1", "--threads", "1",
               "--replies", str(out)])
     assert s["stats"]["extract_replies"]["tokens"] == sum(len(p) + len(q) for p, q in zip(r["prompts"], r["replies"]))
+
+
+def test_bf16_trains_on_features_cached_apart(tmp_path):
+    """--bf16 extracts features and takes training steps with bf16 matmuls: its features are cached
+    apart from fp32 ones (they differ), close to them, and the loss falls as in fp32."""
+    from models.cpu import bf16_matmuls
+    data = write_conversations(tmp_path / "convs.jsonl")
+    out = tmp_path / "head"
+    common = ["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-tokens", "4000",
+              "--max-len", "160", "--lr", "3e-3", "--batch-tokens", "640", "--log-every", "1", "--threads", "1",
+              "--epochs", "3"]
+    if not bf16_matmuls():
+        with pytest.raises(SystemExit, match="neither AMX nor AVX512-BF16"):
+            main(common + ["--bf16"])
+        pytest.skip("this CPU has no bf16 matmuls: --bf16 is refused (checked)")
+    from safetensors.numpy import load_file
+    fp32 = main(common)
+    fp32_features = load_file(str(next((out / "cache").glob("train-*.safetensors"))))
+    bf16 = main(common + ["--bf16"])
+    assert bf16["stats"]["extract_train"]["tokens"] == fp32["stats"]["extract_train"]["tokens"] > 0  # recomputed
+    bf16_features = load_file(str(next((out / "cache").glob("train-*.safetensors"))))
+    a, b = (f[k].astype(np.float32) for f, k in ((fp32_features, "hidden"), (bf16_features, "hidden")))
+    assert a.shape == b.shape and not np.array_equal(a, b)
+    assert np.abs(a - b).mean() < 0.05 * np.abs(a).mean()
+    losses = [[h["loss"] for h in s["history"] if "loss" in h] for s in (fp32, bf16)]
+    assert losses[1][-1] < 0.9 * losses[1][0]
+    assert abs(losses[1][-1] - losses[0][-1]) < 0.1 * losses[0][0]

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from models.checksums import sha256
+from models.cpu import bf16_matmuls
 from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, additive_bias, causal_bias, eagle3_layers
 from models.train_data import (Example, encode, is_dev, prompt_ids, read_conversations, split,
@@ -200,13 +201,20 @@ def pooled_length_order(lengths: list[int], pool: int) -> list[int]:
     return order
 
 
+def precision(device, bf16: bool):
+    """The autocast context of the base's forward and the head's training steps: bf16 matmuls with
+    --bf16 (fp32 weights, optimizer state and evaluation), else nothing."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
+
+
 def past(deadline: float | None) -> bool:
     return deadline is not None and time.time() > deadline
 
 
 @torch.inference_mode()
 def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: str, batch_tokens: int,
-            shard_tokens: int, device, desc: str, deadline: float | None = None, taps: tuple[int, ...] = ()) -> dict:
+            shard_tokens: int, device, desc: str, deadline: float | None = None, taps: tuple[int, ...] = (),
+            bf16: bool = False) -> dict:
     """Base features of the examples, written shard by shard; a rerun continues after the last
     complete shard. Examples go in their (random) data order, sorted by length only within pools
     of 64, so stopping at the deadline keeps an unbiased sample."""
@@ -235,7 +243,8 @@ def extract(base: CausalLM, examples: list[Example], cache_dir: Path, prefix: st
             ids = ids.to(device)
             pos = torch.arange(t_max, device=device)[None].expand(len(items), t_max)
             cache = new_cache(base.cfg, t_max, len(items), device)
-            hidden = base_hidden(base, ids, pos, causal_bias(t_max).to(device), cache, 0, taps)
+            with precision(device, bf16):
+                hidden = base_hidden(base, ids, pos, causal_bias(t_max).to(device), cache, 0, taps)
             hidden = hidden.to(torch.float16).cpu().numpy()
             for r, e in enumerate(items):
                 buf_ids.append(e.ids)
@@ -564,6 +573,9 @@ def parse_args(argv=None):
                     "training's schedule is compressed to end before the budget does")
     ap.add_argument("--feature-share", type=float, default=0.5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 matmuls (autocast) in feature extraction and "
+                    "training steps: CPUs with AMX or AVX512-BF16, and GPUs; weights, optimizer and evaluation "
+                    "stay fp32. Features extracted in bf16 are cached apart from fp32 ones")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -651,7 +663,7 @@ def prepare_cache(args, ckpt, taps: tuple[int, ...], data: Selection, cache_dir:
     cache_key = hashlib.sha256(json.dumps(
         {"v": CACHE_VERSION, "base": ckpt.source, "cfg": ckpt.cfg.to_dict(),
          "distill": [args.distill_new_tokens, args.distill_temperature, args.seed],
-         **({"taps": list(taps)} if taps else {})},
+         **({"taps": list(taps)} if taps else {}), **({"bf16": True} if args.bf16 else {})},
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     fp = hashlib.sha256(cache_key.encode())
     for e in data.train + data.dev + data.replies:
@@ -683,12 +695,12 @@ def compute_features(args, base: CausalLM, data: Selection, cache_dir: Path, dev
         extract_end = feature_end = 0.0
     stats = {}
     stats["extract_dev"] = extract(base, data.dev, cache_dir, "dev", args.extract_batch_tokens, 16384, device,
-                                   "features (dev)", taps=taps)
+                                   "features (dev)", taps=taps, bf16=args.bf16)
     stats["extract_train"] = extract(base, data.train, cache_dir, "train", args.extract_batch_tokens, 16384, device,
-                                     "features (train)", extract_end, taps)
+                                     "features (train)", extract_end, taps, args.bf16)
     if data.replies:
         stats["extract_replies"] = extract(base, data.replies, cache_dir, "replies", args.extract_batch_tokens, 16384,
-                                           device, "features (replies)", extract_end, taps)
+                                           device, "features (replies)", extract_end, taps, args.bf16)
     for k in ("extract_train", "extract_dev", "extract_replies"):
         if stats.get(k, {}).get("seconds"):
             log(f"{k}: {stats[k]['tokens']} tokens in {stats[k]['seconds']:.0f} s "
@@ -827,7 +839,9 @@ def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name:
         for g in opt.param_groups:
             g["lr"] = lr
         gen.manual_seed(args.seed * 1_000_003 + step)
-        r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen, args.ce_fraction, args.unroll)
+        with precision(device, args.bf16):
+            r = head_losses(head, emb, lm, Batch(train, items, device), args.noise, gen, args.ce_fraction,
+                            args.unroll)
         opt.zero_grad(set_to_none=True)
         r["loss"].backward()
         if args.grad_clip > 0:
@@ -867,6 +881,9 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available to torch")
+    if args.bf16 and device.type == "cpu" and not bf16_matmuls():
+        raise SystemExit("--bf16: this CPU has neither AMX nor AVX512-BF16, so torch would emulate bf16 "
+                         "(slower than fp32); train without --bf16")
     torch.manual_seed(args.seed)
     out: Path = args.out
     cache_dir, ckpt_dir = out / "cache", out / "checkpoints"
