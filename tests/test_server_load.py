@@ -214,5 +214,6 @@ def test_sigterm_drains_in_flight_requests(artifact, long_prompt):
             assert res["text"] == want.text and res["finish"] == want.finish_reason
         assert proc.wait(30) == 0
     text = "\n".join(log)
+    assert "up to 2 requests decoded side by side over one copy, queue 16; EAGLE-2 tree" in text, text
     assert re.search(r"received SIGTERM: draining [12] running and [0-5] queued request\(s\)", text), text
     assert "drained: 6 generation(s) completed in all, 0 cancelled; exiting" in text, text

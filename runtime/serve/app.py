@@ -96,12 +96,13 @@ def lifespan(state: ServerState):
 
     @contextlib.asynccontextmanager
     async def run(app):
+        decoding = pool.generators[0].describe_default()
         if pool.scheduler is not None:
-            log.info("serving model '%s': up to %d requests decoded side by side over one copy, queue %d",
-                     state.model_id, len(pool.generators), pool.max_queue)
+            log.info("serving model '%s': up to %d requests decoded side by side over one copy, queue %d; %s",
+                     state.model_id, len(pool.generators), pool.max_queue, decoding)
         else:
-            log.info("serving model '%s' with %d worker(s), queue %d", state.model_id, len(pool.generators),
-                     pool.max_queue)
+            log.info("serving model '%s' with %d worker(s), queue %d; %s", state.model_id, len(pool.generators),
+                     pool.max_queue, decoding)
         yield
         # uvicorn has stopped accepting connections and waited for the open ones (or timed out).
         left = pool.cancel_all()
