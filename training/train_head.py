@@ -545,7 +545,7 @@ def parse_args(argv=None):
     ap.add_argument("--distill-max-prompt", type=int, default=256, help="skip longer first turns")
     ap.add_argument("--replies", action="append", default=[], type=Path, metavar="FILE",
                     help="self-distilled replies made by python -m training.distill (e.g. the committed "
-                         "data/distill/*.npz); repeatable. Their features are extracted like the conversations'")
+                         "models/heads/smollm2-135m/distilled-sharegpt.npz); repeatable. Their features are extracted like the conversations'")
     ap.add_argument("--epochs", type=float, default=3)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--warmup", type=float, default=0.05, help="warmup steps as a share of all steps")
@@ -575,7 +575,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     ap.add_argument("--bf16", action="store_true", help="bf16 matmuls (autocast) in feature extraction and "
                     "training steps: CPUs with AMX or AVX512-BF16, and GPUs; weights, optimizer and evaluation "
-                    "stay fp32. Features extracted in bf16 are cached apart from fp32 ones")
+                    "stay fp32, and so does --self-distill's generation (its replies are the base's own). Features extracted in "
+                    "bf16 are cached apart from fp32 ones")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
