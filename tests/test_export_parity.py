@@ -9,13 +9,16 @@ import inspect
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
 from export.artifact import read_manifest
 from export.common import default_precision
-from export.verify import TOLERANCE, ParityError, check_parity, random_tree, stored_weights, tree_bias
+from export import onnx_graph
+from export.verify import TOLERANCE, ParityError, check_parity, random_tree, stored_weights, tree_bias, w8a8_rows
 from models.config import ModelConfig
 from models.cpu import int8_dot_products
 from models.llama import causal_bias
@@ -141,8 +144,9 @@ def rel_diff(got, want) -> float:
 def test_builtin_parity_is_recorded_and_small(tiny_artifact, name, precision):
     manifest = read_manifest(tiny_artifact(name, precision))
     diffs = manifest["parity"]
-    assert set(diffs) == {"base.logits", "base.hidden_states", "base.kv_cache",
-                          "draft.hidden_states", "draft.topk_logprobs"}
+    rounding = {f"rounding alone: base.{n}" for n in ("logits", "hidden_states", "kv_cache")}
+    assert set(diffs) == {"base.logits", "base.hidden_states", "base.kv_cache", "draft.hidden_states",
+                          "draft.topk_logprobs"} | (rounding if precision == "w8a8" else set())
     draft = manifest["draft_precision"]
     for part, p in (("base.", precision), ("draft.", draft)):
         part_diffs = [d for n, d in diffs.items() if n.startswith(part)]
@@ -161,6 +165,47 @@ def test_builtin_parity_catches_wrong_weights(tiny_artifact):
     state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.01
     with pytest.raises(ParityError, match="base.logits"):
         check_parity(artifact, read_manifest(artifact), ckpt.cfg, state, ckpt.head_cfg, ckpt.head_state)
+
+
+@pytest.mark.skipif(not int8_dot_products(), reason="w8a8 needs VNNI or AMX, which this CPU lacks")
+def test_w8a8_bound_follows_the_rounding_and_still_catches_wrong_weights(tiny_artifact, monkeypatch):
+    """A model whose activations' rounding alone exceeds the fixed tolerance (as a deep random one
+    does) passes where the graph differs by no more than that rounding, and wrong weights still fail."""
+    from export.memory import resident_calibration
+    from export.onnx_export import _smoothed
+    from models.tensors import fp32_arrays
+    artifact = tiny_artifact("tiny-llama", "w8a8")
+    ckpt = load_checkpoint("tiny-llama")
+    smoothed, _ = _smoothed(ckpt.cfg, fp32_arrays(ckpt.state), ckpt.tokenizer, resident_calibration(ckpt, "w8a8", True))
+    state = {k: torch.from_numpy(v) for k, v in smoothed.items()}
+    monkeypatch.setitem(TOLERANCE, "w8a8", 1e-3)
+    diffs = check_parity(artifact, read_manifest(artifact), ckpt.cfg, state, ckpt.head_cfg, ckpt.head_state)
+    assert diffs["rounding alone: base.logits"] > 1e-3 and diffs["base.logits"] > 1e-3
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.2
+    with pytest.raises(ParityError, match="base.logits"):
+        check_parity(artifact, read_manifest(artifact), ckpt.cfg, state, ckpt.head_cfg, ckpt.head_state)
+
+
+@pytest.mark.skipif(not int8_dot_products(), reason="w8a8 needs VNNI or AMX, which this CPU lacks")
+def test_w8a8_reference_rounds_rows_as_the_graph_does(tmp_path):
+    """The parity check's w8a8 reference rounds each linear's input rows as the graph does, so it
+    checks the graph rather than the rounding's effect: one exported linear agrees with it to fp32
+    arithmetic, and with unrounded rows only to the rounding."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((96, 256)).astype(np.float32)
+    with onnx_graph.WeightStore(tmp_path / onnx_graph.WEIGHTS_FILE) as store:
+        g = onnx_graph.Graph(store)
+        g.input("x", onnx.TensorProto.FLOAT, ["T", 256])
+        y = onnx_graph.Builder(g, "w8a8", {}).linear("x", "layer.up_proj", weight)
+        g.nodes.append(onnx.helper.make_node("Identity", [y], ["y"]))
+        g.output("y", onnx.TensorProto.FLOAT, ["T", 96])
+        onnx.save(g.model("one_linear", ""), tmp_path / "linear.onnx")
+    session = ort.InferenceSession(str(tmp_path / "linear.onnx"), providers=["CPUExecutionProvider"])
+    x = (rng.standard_normal((12, 256)) * 3 + 0.5).astype(np.float32)
+    got = session.run(None, {"x": x})[0]
+    w = stored_weights({"layer.up_proj.weight": torch.from_numpy(weight)}, "w8a8")["layer.up_proj.weight"]
+    assert rel_diff(got, w8a8_rows(torch.from_numpy(x)) @ w.T) < 1e-5
+    assert rel_diff(got, torch.from_numpy(x) @ w.T) > 1e-3
 
 
 # --- (b) against transformers ------------------------------------------------------------------
