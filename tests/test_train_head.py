@@ -11,7 +11,7 @@ from models.llama import EagleHead, causal_bias
 from models.tiny import randomize, tiny_checkpoint
 from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
 from models.weights import head_tensor_shapes, load_head
-from training.train_head import base_hidden, build_base, generate_batch, head_config, main
+from training.train_head import base_hidden, build_base, generate_batch, head_config, main, read_replies, replies_file
 from training.unroll import new_cache, unrolled_forward
 
 WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
@@ -221,6 +221,46 @@ def test_replies_made_by_the_engine_train_a_head(tmp_path, capsys):
               "--max-len", "160", "--batch-tokens", "640", "--epochs", "1", "--threads", "1",
               "--replies", str(out)])
     assert s["stats"]["extract_replies"]["tokens"] == sum(len(p) + len(q) for p, q in zip(r["prompts"], r["replies"]))
+    # FILE@START: the replies from the START-th on (those added since a head was trained)
+    later = read_replies([replies_file(f"{out}@4")], 2.0, 160)
+    assert [e.id for e in later] == r["conversation_ids"][4:]
+
+
+def test_second_turns_continue_the_conversations_after_the_first_replies(tmp_path):
+    """training.distill --after: the second user turn of a first-turn file's conversations, after the
+    first turn and the base's own complete reply (replies cut at the token limit are left out), and
+    the engine's greedy replies to them."""
+    import runtime
+    from export.onnx_export import export_onnx
+    from models.registry import load_checkpoint
+    from models.train_data import first_turn, read_conversations
+    from training import distill
+    data = write_conversations(tmp_path / "convs.jsonl", n=16)
+    artifact = tmp_path / "tiny"
+    export_onnx(load_checkpoint("tiny-llama"), artifact, "fp32", 512, verify=False, log=lambda m: None)
+    gen = runtime.load(artifact)
+    firsts = distill.prompts(gen, str(data), 0, 6, 256, 2.0, 0)
+    answer = gen.tokenizer.encode("a short answer", add_special_tokens=False)
+    stop = gen.manifest["stop_token_ids"][0]
+    replies = [answer + [stop] if k % 3 else answer for k in range(len(firsts))]  # every third one cut short
+    first = tmp_path / "first.npz"
+    distill.write(first, {"format": distill.FORMAT, "vocab_size": gen.manifest["model"]["config"]["vocab_size"],
+                          "artifact_sha256": gen.manifest["files"]["weights.bin"]},
+                  [c for c, _ in firsts], [q for _, q in firsts], replies)
+    second = tmp_path / "second.npz"
+    assert distill.main([str(artifact), "--out", str(second), "--data", str(data), "--after", str(first), "--n", "10",
+                         "--max-new-tokens", "8", "--parallel", "2", "--max-prompt", "512"]) == 0
+    r = distill.read(second)
+    assert r["conversation_ids"] == [c for k, (c, _) in enumerate(firsts) if k % 3]
+    assert r["manifest"]["after"] == "first.npz" and "second user turn" in r["manifest"]["prompts"]
+    convs = {c.id: c for c in read_conversations(str(data))}
+    for cid, prompt, reply in zip(r["conversation_ids"], r["prompts"], r["replies"]):
+        conv = convs[cid]
+        user2 = [m for m in conv.messages if m["role"] == "user"][1]
+        want = first_turn(conv) + [{"role": "assistant", "content": "a short answer"}, user2]
+        assert prompt == gen.tokenizer.apply_chat_template(want)
+        assert reply == gen.generate(prompt, max_new_tokens=8).token_ids
+    gen.close()
 
 
 def test_bf16_trains_on_features_cached_apart(tmp_path):

@@ -3,12 +3,13 @@ compact file that is committed with the project, so that a new machine trains on
 regenerating them (python -m models.train_head --replies FILE).
 
     python -m training.distill ARTIFACT --out FILE.npz [--data sharegpt] [--skip 0] [--n 3000]
-        [--max-new-tokens 128] [--parallel 16] [--max-prompt 256]
+        [--max-new-tokens 128] [--parallel 16] [--max-prompt 256] [--after FIRST.npz]
     python -m training.distill ARTIFACT --against-torch BASE [--n 32] ...   # speed against the trainer's loop
 
 Prompts: the first user turn (with any system turn) of the training split's conversations, in the
 trainer's order (models.train_data.split: the dev split stays held out), from the --skip-th on,
-skipping those longer than --max-prompt tokens. Replies: greedy, through the artifact's EAGLE-2
+skipping those longer than --max-prompt tokens. With --after FIRST.npz, the second user turn of
+that file's conversations instead, after the first turn and the base's own (complete) reply. Replies: greedy, through the artifact's EAGLE-2
 tree, which is lossless: each reply is the one plain decoding of the artifact gives, end-of-turn
 token included. Use an fp32 artifact of the base the head is for (python -m export BASE
 --precision fp32): its replies are the base's own, up to rounding.
@@ -31,20 +32,40 @@ import numpy as np
 from tqdm import tqdm
 
 FORMAT = "eagle2-distilled-replies"
-SETTINGS = ("data", "skip", "max_new_tokens", "max_prompt", "artifact_sha256")
+SETTINGS = ("data", "skip", "max_new_tokens", "max_prompt", "artifact_sha256", "after")
 
 
-def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: float, seed: int):
-    """(conversation id, prompt ids) of up to n training conversations from the skip-th on."""
+def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: float, seed: int,
+            after: dict | None = None):
+    """(conversation id, prompt ids) of up to n training conversations from the skip-th on.
+
+    `after` (a first-turn replies file, as read()): instead, the second user turn of its
+    conversations, from its skip-th reply on, following the first turn and the base's own reply to
+    it, as a chat with the model goes on."""
     from models.train_data import first_turn, read_conversations, split
     train, _ = split(read_conversations(data), dev_percent, seed)
     out = []
-    for conv in train[skip:]:
+    if after is None:
+        for conv in train[skip:]:
+            if len(out) >= n:
+                break
+            ids = gen.tokenizer.apply_chat_template(first_turn(conv))
+            if len(ids) <= max_prompt:
+                out.append((conv.id, ids))
+        return out
+    convs = {c.id: c for c in train}
+    stops = set(gen.manifest["stop_token_ids"])
+    for cid, reply in zip(after["conversation_ids"][skip:], after["replies"][skip:]):
         if len(out) >= n:
             break
-        ids = gen.tokenizer.apply_chat_template(first_turn(conv))
+        conv = convs.get(cid)
+        users = [k for k, m in enumerate(conv.messages) if m["role"] == "user"] if conv else []
+        if len(users) < 2 or not reply or reply[-1] not in stops:
+            continue  # no second turn, or a first reply cut at the token limit: not how chats go on
+        answer = {"role": "assistant", "content": gen.tokenizer.decode(reply).strip()}
+        ids = gen.tokenizer.apply_chat_template(first_turn(conv) + [answer, conv.messages[users[1]]])
         if len(ids) <= max_prompt:
-            out.append((conv.id, ids))
+            out.append((cid, ids))
     return out
 
 
@@ -106,7 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("artifact", help="an ONNX artifact of the base (fp32 for the base's own replies)")
     p.add_argument("--out", type=Path, help="the replies file (.npz) to write or continue")
     p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl of conversations")
-    p.add_argument("--skip", type=int, default=0, help="start at this training conversation")
+    p.add_argument("--skip", type=int, default=0, help="start at this training conversation (with --after: at "
+                   "this reply of that file)")
+    p.add_argument("--after", type=Path, metavar="FIRST.npz", help="second turns: the conversations of this "
+                   "first-turn replies file continued after the base's own replies")
     p.add_argument("--n", type=int, default=3000, help="replies to make (prompts that fit --max-prompt)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt", type=int, default=256, help="skip longer first turns")
@@ -125,9 +149,12 @@ def main(argv=None) -> int:
     gen = runtime.load(a.artifact, parallel=a.parallel)
     try:
         m = gen.manifest
+        after = None if a.after is None else read(a.after)
+        if after is not None and after["manifest"]["artifact_sha256"] != m["files"]["weights.bin"]:
+            p.error(f"{a.after} holds another model's replies")
         settings = {"data": a.data, "skip": a.skip, "max_new_tokens": a.max_new_tokens, "max_prompt": a.max_prompt,
-                    "artifact_sha256": m["files"]["weights.bin"]}
-        todo = prompts(gen, a.data, a.skip, a.n, a.max_prompt, a.dev_percent, a.seed)
+                    "artifact_sha256": m["files"]["weights.bin"], "after": None if a.after is None else a.after.name}
+        todo = prompts(gen, a.data, a.skip, a.n, a.max_prompt, a.dev_percent, a.seed, after)
         if a.against_torch:
             r = against_torch(gen, a.against_torch, todo, a.max_new_tokens, a.torch_batch)
             loop, engine = r["torch_loop_tokens_per_s"], r["engine_tokens_per_s"]
@@ -146,7 +173,8 @@ def main(argv=None) -> int:
             p.error(f"{a.out} holds replies to other prompts than --data/--skip give now")
         manifest = {"format": FORMAT, **settings, "model": m["model"]["source"], "precision": m["precision"],
                     "vocab_size": m["model"]["config"]["vocab_size"], "decoding": "greedy (EAGLE-2, lossless)",
-                    "prompts": "first user turn of training-split conversations, in the trainer's order",
+                    "prompts": "first user turn of training-split conversations, in the trainer's order"
+                    if after is None else f"second user turn of {a.after.name}'s conversations, after its replies",
                     "dev_percent": a.dev_percent, "seed": a.seed, "machine": cpu_name(),
                     "command": "python -m training.distill " + " ".join(sys.argv[1:] if argv is None else argv)}
         bar = tqdm(total=len(todo), initial=len(ids), desc="replies", unit="reply", file=sys.stderr)

@@ -543,9 +543,11 @@ def parse_args(argv=None):
                     help="replies generated together; changing it keeps the cached replies (larger batches "
                          "are faster: prefill dominates)")
     ap.add_argument("--distill-max-prompt", type=int, default=256, help="skip longer first turns")
-    ap.add_argument("--replies", action="append", default=[], type=Path, metavar="FILE",
+    ap.add_argument("--replies", action="append", default=[], type=replies_file, metavar="FILE[@START]",
                     help="self-distilled replies made by python -m training.distill (e.g. the committed "
-                         "models/heads/smollm2-135m/distilled-sharegpt.npz); repeatable. Their features are extracted like the conversations'")
+                         "models/heads/smollm2-135m/distilled-sharegpt.npz); @START takes them from the START-th "
+                         "reply on (fine-tuning on those added since a head was trained); repeatable. Their "
+                         "features are extracted like the conversations'")
     ap.add_argument("--epochs", type=float, default=3)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--warmup", type=float, default=0.05, help="warmup steps as a share of all steps")
@@ -601,13 +603,22 @@ class Selection:
     replies: list[Example]                          # --replies: prompt + self-distilled reply, reply masked in
 
 
-def read_replies(paths: list[Path], dev_percent: float, max_len: int) -> list[Example]:
-    """The examples of replies files (training.distill), those of held-out conversations left out."""
+def replies_file(arg: str) -> tuple[Path, int]:
+    """--replies FILE[@START] -> (FILE, START)."""
+    path, at, start = arg.rpartition("@")
+    if at and start.isdigit():
+        return Path(path), int(start)
+    return Path(arg), 0
+
+
+def read_replies(files: list[tuple[Path, int]], dev_percent: float, max_len: int) -> list[Example]:
+    """The examples of replies files (training.distill) from each one's START-th reply on, those of
+    held-out conversations left out."""
     from training.distill import read
     out = []
-    for path in paths:
+    for path, start in files:
         r = read(path)
-        for cid, prompt, reply in zip(r["conversation_ids"], r["prompts"], r["replies"]):
+        for cid, prompt, reply in list(zip(r["conversation_ids"], r["prompts"], r["replies"]))[start:]:
             if is_dev(cid, dev_percent) or not reply:
                 continue
             ids = np.asarray(prompt + reply, np.int32)[:max_len]
