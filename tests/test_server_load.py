@@ -27,6 +27,7 @@ pytest.importorskip("prometheus_client", reason="the server needs the serve extr
 httpx = pytest.importorskip("httpx", reason="the load tests need httpx: bash ci/install_serve.sh")
 
 import runtime  # noqa: E402
+from tools.load_bench import stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_SECONDS = float(os.environ.get("EAGLE2_SERVE_LOAD_SECONDS", "8"))   # bounded: the load runs this long
@@ -60,13 +61,7 @@ def server_process(artifact, *args, ready_timeout=60.0):
             raise AssertionError("the server did not start:\n" + "\n".join(lines))
         yield found["url"], proc, lines
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop(proc, 30)
         reader.join(10)
 
 

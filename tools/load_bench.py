@@ -72,9 +72,15 @@ def _process(cmd: list[str], url: str, ready_path: str, timeout: float = 120.0):
             time.sleep(0.2)
         yield proc.pid
     finally:
+        stop(proc, 60)
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (a server drains its open requests), then SIGKILL after `grace` seconds."""
+    if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
