@@ -106,6 +106,33 @@ def test_training_lowers_loss_writes_official_head_and_resumes(tmp_path):
     assert [h for h in s2["history"] if "loss" in h][0]["step"] == 1  # history carried over
 
 
+def test_snapshots_and_their_tau_curve(tmp_path):
+    """--snapshots N keeps the head at the start and at N points of training, with the tokens trained
+    on; tools.tau_curve exports each with the base and measures tau by category on it."""
+    from tools import tau_curve
+    data = write_conversations(tmp_path / "convs.jsonl")
+    out = tmp_path / "head"
+    s = main(["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-tokens", "3000",
+              "--max-len", "160", "--lr", "3e-3", "--batch-tokens", "640", "--threads", "1", "--epochs", "2",
+              "--snapshots", "2"])
+    points = tau_curve.snapshots(out)
+    assert [info["step"] for _, info in points] == [0, s["steps"] // 2, s["steps"]]
+    tokens = [info["trained_tokens"] for _, info in points]
+    assert tokens[0] == 0 and tokens[-1] == 2 * s["train_tokens"] and tokens[0] < tokens[1] < tokens[2]
+    # the last snapshot is the head the run saved
+    assert (points[-1][0] / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    report = tmp_path / "tau.md"
+    assert tau_curve.main([str(out), "--base", "tiny-llama", "--precision", "fp32", "--prompts", "builtin",
+                           "--trees", "4/2/2", "--max-new-tokens", "6", "--report", str(report),
+                           "--json", str(tmp_path / "tau.json"), "--plot", str(tmp_path / "tau.png")]) == 0
+    result = json.loads((tmp_path / "tau.json").read_text())["points"]
+    assert [p["step"] for p in result] == [info["step"] for _, info in points]
+    assert all(1.0 <= p["tau"]["4/2/2"]["all"] <= 3.0 for p in result)
+    assert (tmp_path / "tau.png").stat().st_size > 0
+    table = report.read_text().splitlines()
+    assert "| tree | builtin | all |" in table[2] and len([r for r in table if "| 4/2/2 |" in r]) == 3
+
+
 def test_schedule_and_batches():
     from training.train_head import epoch_batches, lr_at
     assert lr_at(0.0, 0.05, 1e-3) > 0

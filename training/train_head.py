@@ -52,6 +52,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -568,6 +569,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training step")
     ap.add_argument("--extract-batch-tokens", type=int, default=4096)
     ap.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    ap.add_argument("--snapshots", type=int, default=0, metavar="N",
+                    help="also keep the head itself at the start and N evenly spaced points of training, in "
+                    "DIR/snapshots/ (python -m tools.tau_curve DIR measures tau at each)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--time-budget", type=float, default=0, metavar="MINUTES",
                     help="wall-clock budget of the whole command (0: none). Feature extraction stops at "
@@ -802,9 +806,10 @@ class Run:
 
 
 def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name: str, fingerprint: str,
-               ckpt_dir: Path, device, budget_end: float | None, depth: int) -> Run:
+               ckpt_dir: Path, device, budget_end: float | None, depth: int, snapshot=None) -> Run:
     """Train along the plan (until the time budget's end, if sooner), evaluating on `watch` at each
-    epoch's end, logging and checkpointing as asked."""
+    epoch's end, logging and checkpointing as asked; `snapshot(step, tokens trained on, epochs)`
+    keeps the head at the start and at each 1/--snapshots of the way."""
     decay = [p for n, p in head.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in head.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -812,6 +817,14 @@ def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name:
     plan = plan_steps(args, train)
     total = len(plan)
     step, history, p_time0 = resume(args, head, opt, ckpt_dir, fingerprint, total)
+    planned_tokens = np.cumsum([0] + [sum(int(train["lengths"][i]) for i in items) for _, items in plan])
+    snapped = 0
+
+    def keep(at_step: int, prog: float) -> None:
+        nonlocal snapped
+        if snapshot is not None and (at_step == 0 or int(prog * args.snapshots) > snapped):
+            snapped = int(prog * args.snapshots)
+            snapshot(at_step, int(planned_tokens[at_step]), round(at_step * args.epochs / total, 3))
     t_train = time.time()
     train_budget = None
     if budget_end is not None:
@@ -827,7 +840,9 @@ def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name:
 
     log(f"training: {len(train['lengths'])} sequences, {int(train['offsets'][-1])} tokens, up to {total} steps "
         f"({args.epochs} epochs), lr {args.lr}, warmup {args.warmup:.0%}")
+    snapped = int(progress(step)[0] * args.snapshots) if args.snapshots else 0
     if step == 0:
+        keep(0, 0.0)
         ev = evaluate(head, emb, lm, watch, args.batch_tokens, device, depth)
         if ev:
             log(f"{watch_name} before training: {describe(ev, depth)}")
@@ -878,9 +893,11 @@ def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name:
             window = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "acc": 0.0, "n": 0}
         if step % args.save_every == 0 or step == total:
             save_checkpoint(ckpt_dir, head, opt, step, fingerprint, history, progress(step)[1])
+        keep(step, 1.0 if step == total else progress(step)[0])
     bar.close()
     if step % args.save_every != 0 and step != total:
         save_checkpoint(ckpt_dir, head, opt, step, fingerprint, history, 1.0)
+    keep(step, 1.0)  # where a time budget stopped training short of the plan
     return Run(step, total, history, tokens_done, time.time() - t_train)
 
 
@@ -932,17 +949,26 @@ def main(argv=None) -> dict:
     # drafts at inference is the base's own.
     watch, watch_name = (dev_distill, "dev (self-distilled)") if dev_distill is not None else (dev, "dev")
     depth = max(3, args.unroll)
-    run = train_loop(args, head, emb, lm, train, watch, watch_name, fingerprint, ckpt_dir, device, budget_end, depth)
+    save = (lambda d, h: save_eagle3_head(d, h, counts)) if taps else save_head
+    snapshots = out / "snapshots"
+    if not args.resume and snapshots.exists():
+        shutil.rmtree(snapshots)
+
+    def snapshot(step: int, tokens: int, epochs: float) -> None:
+        d = snapshots / f"step-{step:07d}"
+        d.mkdir(parents=True, exist_ok=True)
+        save(d, head)
+        (d / "snapshot.json").write_text(json.dumps({"step": step, "trained_tokens": tokens, "epochs": epochs,
+                                                     "init": str(args.init) if args.init else None}) + "\n")
+    run = train_loop(args, head, emb, lm, train, watch, watch_name, fingerprint, ckpt_dir, device, budget_end, depth,
+                     snapshot if args.snapshots else None)
 
     final = {"dev_sharegpt": evaluate(head, emb, lm, dev, args.batch_tokens, device, depth),
              "dev_self_distill": evaluate(head, emb, lm, dev_distill, args.batch_tokens, device, depth)}
     for k, ev in final.items():
         if ev:
             log(f"final {k}: {describe(ev, depth)} over {ev['positions']} positions")
-    if taps:
-        save_eagle3_head(out, head, counts)
-    else:
-        save_head(out, head)
+    save(out, head)
     load_head(out, cfg)  # the saved head must load as an official EAGLE head for this base
     train_logs = [h for h in run.history if "loss" in h]
     summary = {
