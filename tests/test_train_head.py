@@ -315,3 +315,20 @@ def test_bf16_trains_on_features_cached_apart(tmp_path):
     losses = [[h["loss"] for h in s["history"] if "loss" in h] for s in (fp32, bf16)]
     assert losses[1][-1] < 0.9 * losses[1][0]
     assert abs(losses[1][-1] - losses[0][-1]) < 0.1 * losses[0][0]
+
+
+@pytest.mark.parametrize("name", ["distilled-sharegpt.npz"])
+def test_committed_replies_match_their_manifest(name):
+    """The committed self-distilled replies read back as their manifest says: its counts, training
+    conversations only, token ids of the base's vocabulary."""
+    from pathlib import Path
+
+    from training import distill
+    path = Path(__file__).parents[1] / "models" / "heads" / "smollm2-135m" / name
+    r = distill.read(path)
+    m = r["manifest"]
+    assert len(r["replies"]) == len(r["prompts"]) == len(r["conversation_ids"]) == m["replies"]
+    assert sum(map(len, r["replies"])) == m["reply_tokens"]
+    assert not any(is_dev(c, m["dev_percent"]) for c in r["conversation_ids"])
+    assert max(max(q) for q in r["prompts"] + r["replies"] if q) < m["vocab_size"]
+    assert m == json.loads(path.with_suffix(".json").read_text())
