@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
     if a.plot:
-        plot(points, a.plot, header[:120])
+        plot(points, a.plot, f"tau of {a.run.name}'s snapshots ({a.prompts}, first turns, up to {a.max_new_tokens} "
+             "new tokens, greedy)")
     return 0
 
 
