@@ -44,16 +44,33 @@ def measure(path: str, provider: str, prompt_sets: list[str], tree_spec: str, ma
     return {tree_label(as_tree(t)): dict(v) for t, v in sums.items()}
 
 
+def category_tau(sums: dict) -> dict[str, float]:
+    """{category: tau, ..., "all": tau} from {category: [accepted tokens, cycles]}."""
+    out = {c: a / n for c, (a, n) in sums.items() if n}
+    total = [sum(v[i] for v in sums.values()) for i in (0, 1)]
+    out["all"] = total[0] / total[1]
+    return out
+
+
 def markdown(results: dict, header: str) -> str:
     categories = list(dict.fromkeys(c for trees in results.values() for cats in trees.values() for c in cats))
     lines = [header, "", "| head | tree | " + " | ".join(categories) + " | all |",
              "|---|---|" + "---:|" * (len(categories) + 1)]
     for path, trees in results.items():
         for tree, cats in trees.items():
-            cells = [f"{cats[c][0] / cats[c][1]:.2f}" if c in cats and cats[c][1] else "" for c in categories]
-            total = [sum(v[i] for v in cats.values()) for i in (0, 1)]
-            lines.append(f"| {Path(path).name} | {tree} | " + " | ".join(cells) + f" | {total[0] / total[1]:.2f} |")
+            tau = category_tau(cats)
+            cells = [f"{tau[c]:.2f}" if c in tau else "" for c in categories]
+            lines.append(f"| {Path(path).name} | {tree} | " + " | ".join(cells) + f" | {tau['all']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def publish(report: str, payload: dict, report_path: str | None, json_path: str | None) -> None:
+    """Print the Markdown report; write it and the JSON payload where asked."""
+    print(report)
+    if report_path:
+        Path(report_path).write_text(report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
@@ -72,12 +89,7 @@ def main(argv=None) -> int:
                for path in a.artifacts}
     header = (f"tau by category ({a.prompts}, first turns, up to {a.max_new_tokens} new tokens, greedy); "
               f"python -m runtime.acceptance {' '.join(argv if argv is not None else sys.argv[1:])}")
-    report = markdown(results, header)
-    print(report)
-    if a.report:
-        Path(a.report).write_text(report)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"header": header, "results": results}, indent=2) + "\n")
+    publish(markdown(results, header), {"header": header, "results": results}, a.report, a.json)
     return 0
 
 

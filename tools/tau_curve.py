@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .acceptance import measure
+from .acceptance import category_tau, measure, publish
 
 
 def snapshots(run: Path) -> list[tuple[Path, dict]]:
@@ -27,14 +27,6 @@ def snapshots(run: Path) -> list[tuple[Path, dict]]:
     if not found:
         raise SystemExit(f"{run} has no snapshots: train with --snapshots N")
     return [(d, json.loads((d / "snapshot.json").read_text())) for d in found]
-
-
-def category_tau(sums: dict) -> dict[str, float]:
-    """{category: tau, ..., "all": tau} from {category: [accepted tokens, cycles]}."""
-    out = {c: a / n for c, (a, n) in sums.items() if n}
-    total = [sum(v[i] for v in sums.values()) for i in (0, 1)]
-    out["all"] = total[0] / total[1]
-    return out
 
 
 def markdown(points: list[dict], header: str) -> str:
@@ -100,12 +92,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     header = (f"tau of {a.run.name}'s snapshots by category ({a.prompts}, first turns, up to {a.max_new_tokens} "
               f"new tokens, greedy); python -m tools.tau_curve {argv_text}")
-    report = markdown(points, header)
-    print(report)
-    if a.report:
-        Path(a.report).write_text(report)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
+    publish(markdown(points, header), {"header": header, "points": points}, a.report, a.json)
     if a.plot:
         plot(points, a.plot, f"tau of {a.run.name}'s snapshots ({a.prompts}, first turns, up to {a.max_new_tokens} "
              "new tokens, greedy)")

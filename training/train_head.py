@@ -817,14 +817,6 @@ def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name:
     plan = plan_steps(args, train)
     total = len(plan)
     step, history, p_time0 = resume(args, head, opt, ckpt_dir, fingerprint, total)
-    planned_tokens = np.cumsum([0] + [sum(int(train["lengths"][i]) for i in items) for _, items in plan])
-    snapped = 0
-
-    def keep(at_step: int, prog: float) -> None:
-        nonlocal snapped
-        if snapshot is not None and (at_step == 0 or int(prog * args.snapshots) > snapped):
-            snapped = int(prog * args.snapshots)
-            snapshot(at_step, int(planned_tokens[at_step]), round(at_step * args.epochs / total, 3))
     t_train = time.time()
     train_budget = None
     if budget_end is not None:
@@ -840,7 +832,16 @@ def train_loop(args, head, emb, lm, train: dict, watch: dict | None, watch_name:
 
     log(f"training: {len(train['lengths'])} sequences, {int(train['offsets'][-1])} tokens, up to {total} steps "
         f"({args.epochs} epochs), lr {args.lr}, warmup {args.warmup:.0%}")
-    snapped = int(progress(step)[0] * args.snapshots) if args.snapshots else 0
+    if snapshot is not None:
+        planned_tokens = np.cumsum([0] + [sum(int(train["lengths"][i]) for i in items) for _, items in plan])
+    snapped = int(progress(step)[0] * args.snapshots) if snapshot is not None else 0
+
+    def keep(at_step: int, prog: float) -> None:
+        nonlocal snapped
+        if snapshot is not None and (at_step == 0 or int(prog * args.snapshots) > snapped):
+            snapped = int(prog * args.snapshots)
+            snapshot(at_step, int(planned_tokens[at_step]), round(at_step * args.epochs / total, 3))
+
     if step == 0:
         keep(0, 0.0)
         ev = evaluate(head, emb, lm, watch, args.batch_tokens, device, depth)
