@@ -234,7 +234,5 @@ class Scheduler:
         with self._lock:
             if r in self._active:
                 self._active.remove(r)
-            idle = not self._active
-        if idle:
-            self.engine.shrink()  # the next steps read no more cache than their own sequences need
+        self.engine.fit()  # the next steps read no more cache than the open sequences need
         r.tokens.put(last)

@@ -33,6 +33,9 @@ MAX_TOP_K = 16          # largest draft branching (top_k)
 MAX_LOOKUP = 16        # longest prompt-lookup branch
 MAX_DEPTH = 16          # deepest draft expansion (depth); nodes sit at most depth+1 past the context
 DRAFT_TREE_ROWS = MAX_DEPTH * MAX_TOP_K  # the draft cache's rows past the context: a round's tree
+# Surplus base-cache positions, over what the open sequences use, worth a re-layout to drop when a
+# sequence ends (docs/benchmarks.md#what-a-step-of-many-sequences-reads).
+FIT_SLACK = 128
 
 
 class NoRoom(Exception):
@@ -46,6 +49,7 @@ class Sequence:
     slot: int
     features: object                   # [max_length + 1, H], host array or device tensor
     last_hidden: object = None
+    end: int = 0                       # base cache positions its steps have written, from 0
 
 
 @dataclass(eq=False)
@@ -104,6 +108,8 @@ class Engine:
                                       MAX_TOP_K, threads, provider_options, sequences)
         self.slotted = self.base.slotted and (self.draft is None or self.draft.slotted)
         self._free = list(range(sequences))
+        self._open: dict[int, Sequence] = {}
+        self.fit_slack: int | None = FIT_SLACK  # None: the caches shrink only once no sequence is open
         # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py,
         # models/attention.py); with fused attention no placement is exact, so there is nothing to keep.
         self.key_block = manifest.get("exact_key_block") or self.max_length + 1
@@ -119,6 +125,8 @@ class Engine:
         self._solo: Sequence | None = None
         self.top_k = np.zeros(1, np.int64)
         self.timings = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
+        # Base cache positions the steps read (every bound sequence at the capacity) and hold in use.
+        self.cache_positions = {"read": 0, "used": 0}
         # Fewest rows a verify step runs (export/onnx_export.py): kernels whose one-row path rounds
         # otherwise than their multi-row one get every step, plain decoding included, as multi-row.
         self.min_rows = manifest.get("verify_min_rows", 1)
@@ -132,9 +140,12 @@ class Engine:
         if not self._free:
             raise NoRoom(f"all {self.sequences} sequence slots are taken")
         features = self.base.device_array(np.zeros((self.max_length + 1, self.hidden_size), self.io_dtype))
-        return Sequence(self._free.pop(0), features)
+        seq = Sequence(self._free.pop(0), features)
+        self._open[seq.slot] = seq
+        return seq
 
     def close_sequence(self, seq: Sequence) -> None:
+        del self._open[seq.slot]
         self._free.append(seq.slot)
         self._free.sort()
 
@@ -186,11 +197,19 @@ class Engine:
         self.solo
         self.base.reserve(prompt_length + 1, shrink=True)
 
-    def shrink(self) -> None:
-        """With no sequence left, hand the caches over at their smallest capacity again."""
-        for session in (self.base, self.draft):
-            if session is not None:
-                session.reserve(1, shrink=True)
+    def fit(self) -> None:
+        """After a sequence ends: hand the caches over at no more capacity than the open sequences
+        need. With none open, every cache at its smallest; otherwise the base's, where the longest
+        open sequence leaves FIT_SLACK positions or more unused: each step of the others reads the
+        whole capacity, while a re-layout costs about as much as a few such steps read."""
+        if not self._open:
+            for session in (self.base, self.draft):
+                if session is not None:
+                    session.reserve(1, shrink=True)
+            return
+        need = max(1, *(seq.end for seq in self._open.values()))
+        if self.fit_slack is not None and self.base.capacity - need >= self.fit_slack:
+            self.base.reserve(need, shrink=True)
 
     def _causal_bias(self, t: int, context: int) -> np.ndarray:
         bias = np.zeros((t, context + t), self.io_dtype)
@@ -263,6 +282,9 @@ class Engine:
         inputs = {"input_ids": self.ids[:n].reshape(1, n), "position_ids": self.positions[:n].reshape(1, n),
                   "logit_rows": np.concatenate([start + p.logit_rows for start, p in
                                                 zip(np.cumsum([0] + [p.rows for p in parts]), parts)])}
+        if graph == "base":
+            for p in parts:
+                p.seq.end = max(p.seq.end, p.first_slot + p.rows + (n - t if p is first else 0))
         if len(parts) > 1:
             inputs.update(self._grouped(parts, t, n, session))
             span = (min(p.seq.slot for p in parts), max(p.seq.slot for p in parts) + 1)
@@ -285,6 +307,9 @@ class Engine:
         start = time.perf_counter()
         out = session.run(inputs, k, span)
         self.timings[kind] += time.perf_counter() - start
+        if graph == "base":
+            self.cache_positions["read"] += session.capacity * (span[1] - span[0])
+            self.cache_positions["used"] += sum(p.first_slot + p.rows for p in parts)
         row = r = 0
         for p in parts:
             wanted = len(p.logit_rows)

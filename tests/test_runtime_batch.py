@@ -13,7 +13,7 @@ from export.onnx_export import export_onnx
 from export.onnx_graph import EXACT_KEY_BLOCK
 from models.cpu import int8_dot_products
 from models.registry import load_checkpoint
-from runtime.engine import NoRoom
+from runtime.engine import FIT_SLACK, NoRoom
 from runtime.generation import Decoder, PromptTooLongError, tree_label
 from runtime.tuning import write_tuning
 
@@ -168,6 +168,37 @@ def test_more_requests_than_slots_wait_and_cancelled_ones_give_their_slot_back(t
         assert batched.generate(long, max_new_tokens=50).token_ids == want.token_ids
     finally:
         batched.close()
+
+
+def test_a_long_generation_ending_shrinks_the_caches_to_what_the_others_need(tmp_path):
+    """Every step reads each bound sequence's cache at the capacity of the longest: when a long
+    generation ends, the base's caches shrink to what the open ones use (FIT_SLACK or more spare
+    positions), and the others' replies stay those they get alone. fit_slack None keeps the
+    capacity until no generation is left."""
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=512, verify=False,
+                log=lambda m: None)
+    alone = runtime.load(tmp_path / "a")
+    prompts, lengths = [[3 + i % 250 for i in range(300)], list(range(3, 13))], [4, 60]
+    want = [alone.generate(p, max_new_tokens=n).token_ids for p, n in zip(prompts, lengths)]
+    for slack in (FIT_SLACK, None):
+        batched = runtime.load(tmp_path / "a", parallel=2)
+        engine, seen = batched.engine, []
+        engine.fit_slack = slack
+        fit = engine.fit
+
+        def recorded():
+            fit()
+            seen.append((engine.open_sequences, engine.base.capacity))
+
+        engine.fit = recorded
+        try:
+            runs = [batched.events(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+            assert [batched._drain(r).token_ids for r in runs] == want
+        finally:
+            batched.close()
+        assert seen[0][0] == 1 and seen[-1] == (0, 64)  # the long one ended first; idle: the smallest
+        assert seen[0][1] <= 128 if slack else seen[0][1] >= 320
+        assert engine.cache_positions["read"] >= engine.cache_positions["used"] > 0
 
 
 def test_graphs_that_hold_one_sequence_refuse_parallel(tiny_artifact, tmp_path):

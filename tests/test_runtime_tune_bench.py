@@ -269,6 +269,15 @@ def test_batch_bench_runs_trees_and_plain_steps_side_by_side(artifact):
     assert [(r["concurrency"], r["plain_from"]) for r in side] == [(1, None), (2, None), (1, 1), (2, 1)]
     assert all(r["tokens_per_s"] > 0 and r["verify_ms"] > 0 for r in side)
     assert all(r["draft_ms"] == 0 for r in side if r["plain_from"] == 1)
-    assert "| side by side | 2 | none | 1 |" in batch_bench.table(result)
+    assert all(r["cache_read_per_step"] >= r["cache_used_per_step"] > 0 for r in side)
+    assert "| side by side | 2 | none | 1 | 128 |" in batch_bench.table(result)
     with pytest.raises(SystemExit, match="runtime tune"):
         batch_bench.run(str(artifact), "builtin", [2], [], 12, plain_from=("tuned",))
+
+
+def test_batch_bench_times_a_step_by_cache_capacity(artifact):
+    from tools import batch_bench
+    result = batch_bench.step_costs(str(artifact), [1, 2], [64, 128], repeats=2)
+    assert [(r["sequences"], r["capacity"]) for r in result["rows"]] == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    assert all(r["step_ms"] > 0 for r in result["rows"])
+    assert "| 2 | " in batch_bench.costs_table(result)
