@@ -17,12 +17,17 @@ def test_the_head_ships():
         {p.name for p in HEAD.iterdir()}, f"{HEAD} lacks the shipped head's files"
 
 
-def test_files_match_recorded_sha256():
-    lines = (HEAD / "SHA256SUMS").read_text().split("\n")
+def recorded_sha256(head) -> dict[str, str]:
+    """{file: sha256} of a head's SHA256SUMS, each checked against the file."""
+    lines = (head / "SHA256SUMS").read_text().split("\n")
     recorded = dict(reversed(line.split()) for line in lines if line.strip())
-    assert {"config.json", "model.safetensors", "token_counts.npy"} <= set(recorded)
     for name, digest in recorded.items():
-        assert sha256(HEAD / name) == digest, name
+        assert sha256(head / name) == digest, name
+    return recorded
+
+
+def test_files_match_recorded_sha256():
+    assert {"config.json", "model.safetensors", "token_counts.npy"} <= set(recorded_sha256(HEAD))
 
 
 def test_token_counts_cover_the_vocabulary():
@@ -39,3 +44,13 @@ def test_loads_with_the_smollm2_base(smollm2_artifact):
     assert cfg.num_layers == 1 and cfg.hidden_size == base.hidden_size
     assert "embed_tokens.weight" not in state
     assert all(t.dtype.is_floating_point for t in state.values())
+
+
+def test_the_eagle3_training_step_matches_its_checksums_and_loads(smollm2_artifact):
+    """The EAGLE-3 head kept to continue training from (models/heads/smollm2-135m-eagle3)."""
+    head = SHIPPED_HEADS / "smollm2-135m-eagle3"
+    assert set(recorded_sha256(head)) == {"config.json", "model.safetensors", "token_counts.npy"}
+    base = ModelConfig.from_dict(json.loads((smollm2_artifact / "manifest.json").read_text())["model"]["config"])
+    cfg, state = load_head(head, base)
+    assert cfg.eagle3 and cfg.num_layers == 1
+    assert state["lm_head.weight"].shape == (8192, base.hidden_size)
