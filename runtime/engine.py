@@ -107,8 +107,7 @@ class Engine:
             self.draft = open_session(root, graphs["draft"], provider, device, draft_length, self.step_rows,
                                       MAX_TOP_K, threads, provider_options, sequences)
         self.slotted = self.base.slotted and (self.draft is None or self.draft.slotted)
-        self._free = list(range(sequences))
-        self._open: dict[int, Sequence] = {}
+        self._open: dict[int, Sequence] = {}  # by slot
         self.fit_slack: int | None = FIT_SLACK  # None: the caches shrink only once no sequence is open
         # Trees must not straddle a block of the exact attention's key sums (export/onnx_graph.py,
         # models/attention.py); with fused attention no placement is exact, so there is nothing to keep.
@@ -137,21 +136,19 @@ class Engine:
     # --- sequences --------------------------------------------------------------------------
     def open_sequence(self) -> Sequence:
         """A slot of the caches for a new sequence (raises NoRoom when every slot is taken)."""
-        if not self._free:
+        free = [slot for slot in range(self.sequences) if slot not in self._open]
+        if not free:
             raise NoRoom(f"all {self.sequences} sequence slots are taken")
         features = self.base.device_array(np.zeros((self.max_length + 1, self.hidden_size), self.io_dtype))
-        seq = Sequence(self._free.pop(0), features)
-        self._open[seq.slot] = seq
+        seq = self._open[free[0]] = Sequence(free[0], features)
         return seq
 
     def close_sequence(self, seq: Sequence) -> None:
         del self._open[seq.slot]
-        self._free.append(seq.slot)
-        self._free.sort()
 
     @property
     def open_sequences(self) -> int:
-        return self.sequences - len(self._free)
+        return len(self._open)
 
     @property
     def solo(self) -> Sequence:

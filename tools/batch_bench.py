@@ -31,6 +31,7 @@ from tqdm import tqdm
 import runtime
 from eagle2 import tree_from_parents
 from models.cpu import cpu_name
+from runtime.engine import FIT_SLACK
 from runtime.prompts import load_prompts
 
 
@@ -38,15 +39,14 @@ def _budget(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
-def _slack(text: str) -> int | None | str:
-    return "default" if text == "default" else None if text == "never" else int(text)
+def _slack(text: str) -> int | None:
+    return None if text == "never" else int(text)
 
 
 def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | None], max_new: int,
-        threads: int | None = None, plain_from: tuple = (), fit_slacks: tuple = ("default",)) -> dict:
+        threads: int | None = None, plain_from: tuple = (), fit_slacks: tuple = (FIT_SLACK,)) -> dict:
     """plain_from: values of the scheduler's plain_from to run besides the budgets (with no budget),
-    "tuned" for the artifact's tuning. fit_slacks: the engine's fit_slack for each of those runs
-    ("default": the engine's own)."""
+    "tuned" for the artifact's tuning. fit_slacks: the engine's fit_slack for each of those runs."""
     alone = runtime.load(artifact, threads=threads)
     prompts = [alone.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
                for p in load_prompts(prompt_spec)]
@@ -61,8 +61,7 @@ def run(artifact: str, prompt_spec: str, levels: list[int], budgets: list[int | 
         [(None, value, slack) for value in plain_from for slack in fit_slacks]
     for budget, plain, slack in configs:
         gen = runtime.load(artifact, threads=threads, parallel=max(levels), row_budget=budget)
-        if slack != "default":
-            gen.engine.fit_slack = slack
+        gen.engine.fit_slack = slack
         if plain != "tuned":
             gen.scheduler.plain_from = plain
         elif gen.scheduler.plain_from is None:
@@ -113,7 +112,7 @@ def step_costs(artifact: str, levels: list[int], capacities: list[int], threads:
             parts = [engine.verify_rows(root, capacity - 1, seq) for seq in seqs[:n]]
             engine.base.reserve(1, shrink=True)
             times = []
-            for i in range(repeats + 3):
+            for _ in range(repeats + 3):
                 start = time.perf_counter()
                 engine.run(parts)
                 times.append(time.perf_counter() - start)
@@ -160,9 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--row-budgets", default="none", help="tree rows a step for all ('none': each its own tree)")
     p.add_argument("--plain-from", default="", help="also run with plain steps from this many generations in "
                    "flight, comma-separated (1: always plain; 'tuned': the artifact's `runtime tune --batch`)")
-    p.add_argument("--fit-slack", default="default", help="run each with these thresholds (positions) for "
+    p.add_argument("--fit-slack", default=str(FIT_SLACK), help="run each with these thresholds (positions) for "
                    "shrinking the base's caches when a generation ends, comma-separated ('never': only once none "
-                   "is left; 'default': the engine's)")
+                   "is left)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--capacities", help="instead: time a plain base step of each concurrency's sequences at these "
                    "cache capacities, comma-separated")
