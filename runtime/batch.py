@@ -12,7 +12,8 @@ end.
 
 A step holds at most the engine's step_rows rows: the generations whose rows do not fit wait for
 the next step, those that waited first going first. Prompt chunks go in steps of their own, so that
-a long prompt neither stalls the others nor pads their rows. Since every row is computed as it would
+a long prompt neither stalls the others nor pads their rows, and share one only where that pads the
+attention by no more than their own rows (Scheduler._joins). Since every row is computed as it would
 be alone, each generation's tokens are those it gets decoded alone, greedy or with a seed.
 """
 from __future__ import annotations
@@ -150,7 +151,7 @@ class Scheduler:
                             and r.pending.prompt == prompt), key=lambda r: -r.waited)
             parts, rows = [], 0
             for r in ready:
-                if rows + r.pending.rows <= self.engine.step_rows:
+                if self._joins(parts, rows, r.pending):
                     parts.append(r)
                     rows += r.pending.rows
                 else:
@@ -171,6 +172,20 @@ class Scheduler:
                 r.pending, r.waited = None, 0
                 self._advance(r)
         return ran
+
+    def _joins(self, parts: list[Request], rows: int, part: Rows) -> bool:
+        """Whether `part` joins a step holding `parts` (`rows` rows). The step's attention runs over
+        every sequence slot between its first and its last, each padded to its longest part's rows:
+        a prompt chunk joins only while those padded rows stay within twice the step's own, since a
+        long chunk beside a far or short one costs the attention more than the step it saves."""
+        rows += part.rows
+        if rows > self.engine.step_rows:
+            return False
+        if not part.prompt or not parts:
+            return True
+        held = [r.pending for r in parts] + [part]
+        slots = [p.seq.slot for p in held]
+        return (max(slots) - min(slots) + 1) * max(p.rows for p in held) <= 2 * rows
 
     def _admit(self) -> None:
         with self._lock:

@@ -201,6 +201,30 @@ def test_a_long_generation_ending_shrinks_the_caches_to_what_the_others_need(tmp
         assert engine.cache_positions["read"] >= engine.cache_positions["used"] > 0
 
 
+def test_prompt_chunks_share_a_step_only_where_the_attention_stays_small(tmp_path, monkeypatch):
+    """A step's attention runs over every slot between its first and last sequence, each padded to
+    its longest part: a long prompt chunk packs with a short one beside it, not with short ones
+    slots away, and every reply stays the one it gets alone."""
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=256, verify=False,
+                log=lambda m: None)
+    alone, batched = runtime.load(tmp_path / "a"), runtime.load(tmp_path / "a", parallel=4)
+    prompt_steps = []
+    run = batched.engine.run
+    monkeypatch.setattr(batched.engine, "run", lambda parts: (parts[0].prompt and prompt_steps.append(
+        (parts[0].graph, [(p.seq.slot, p.rows) for p in parts]))) or run(parts))
+    try:
+        prompts = [list(range(3, 123)), [5] * 8, [6] * 8, [7] * 8]
+        want = [alone.generate(p, max_new_tokens=10).token_ids for p in prompts]
+        assert [g.token_ids for g in batched.generate_many(prompts, max_new_tokens=10)] == want
+    finally:
+        batched.close()
+    for _, step in prompt_steps:
+        slots, rows = [s for s, _ in step], [r for _, r in step]
+        assert (max(slots) - min(slots) + 1) * max(rows) <= 2 * sum(rows)
+    for graph in ("base", "draft"):  # {120 rows, 8 beside it}, then {8, 8}
+        assert sorted(len(step) for g, step in prompt_steps if g == graph) == [2, 2]
+
+
 def test_graphs_that_hold_one_sequence_refuse_parallel(tiny_artifact, tmp_path):
     export_onnx(load_checkpoint("tiny-llama"), tmp_path / "fused", "fp32", max_length=256, verify=False,
                 attention="fused", log=lambda m: None)
