@@ -11,7 +11,8 @@ from models.llama import EagleHead, causal_bias
 from models.tiny import randomize, tiny_checkpoint
 from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
 from models.weights import head_tensor_shapes, load_head
-from training.train_head import base_hidden, build_base, generate_batch, head_config, main, read_replies, replies_file
+from training.train_head import (Batch, ShardRows, base_hidden, build_base, generate_batch, head_config, load_splits,
+                                 main, read_replies, replies_file, save_shard)
 from training.unroll import new_cache, unrolled_forward
 
 WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
@@ -317,7 +318,7 @@ def test_bf16_trains_on_features_cached_apart(tmp_path):
     assert abs(losses[1][-1] - losses[0][-1]) < 0.1 * losses[0][0]
 
 
-@pytest.mark.parametrize("name", ["distilled-sharegpt.npz"])
+@pytest.mark.parametrize("name", ["distilled-sharegpt.npz", "distilled-sharegpt-turn2.npz"])
 def test_committed_replies_match_their_manifest(name):
     """The committed self-distilled replies read back as their manifest says: its counts, training
     conversations only, token ids of the base's vocabulary."""
@@ -332,3 +333,22 @@ def test_committed_replies_match_their_manifest(name):
     assert not any(is_dev(c, m["dev_percent"]) for c in r["conversation_ids"])
     assert max(max(q) for q in r["prompts"] + r["replies"] if q) < m["vocab_size"]
     assert m == json.loads(path.with_suffix(".json").read_text())
+
+
+def test_cached_features_are_read_through_memory_maps_across_shards(tmp_path):
+    """load_splits keeps the features on disk (ShardRows) and gives back each sequence's rows as
+    written, for sequences in either shard, in batches as in memory."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 100, n) for n in (5, 9, 3, 7)]
+    feats = [rng.standard_normal((len(x), 6)).astype(np.float16) for x in seqs]
+    masks = [np.ones(len(x), np.uint8) for x in seqs]
+    for k, part in enumerate((slice(0, 2), slice(2, 4))):
+        save_shard(tmp_path / f"train-{k:05d}.safetensors", seqs[part], masks[part], feats[part], {"count": 2})
+    data = load_splits(tmp_path, "train", None)
+    assert isinstance(data["hidden"], ShardRows) and data["hidden"].shape == (24, 6)
+    for i, f in enumerate(feats):
+        a = int(data["offsets"][i])
+        assert np.array_equal(data["hidden"][a:a + len(f)].numpy(), f)
+        assert np.array_equal(data["ids"][a:a + len(f)].numpy(), seqs[i])
+    batch = Batch(data, [1, 3], "cpu")
+    assert torch.equal(batch.hidden[1, :7], torch.from_numpy(feats[3]).float())

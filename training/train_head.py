@@ -151,32 +151,50 @@ def read_shards(cache_dir: Path, prefix: str, sources: list[np.ndarray]) -> tupl
     return shards, done
 
 
+class ShardRows:
+    """The rows of one tensor stored across shard files, read through memory maps: the features
+    stay in the page cache, and on disk where memory runs short, instead of in the process, so a
+    run's data is bounded by the disk rather than by memory. A sequence never spans two shards."""
+
+    def __init__(self, maps: list[np.ndarray]):
+        self.maps = maps
+        self.starts = np.cumsum([0] + [len(m) for m in maps])
+        self.shape = (int(self.starts[-1]), maps[0].shape[1])
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        k = int(np.searchsorted(self.starts, rows.start, side="right")) - 1
+        a = rows.start - int(self.starts[k])
+        return torch.from_numpy(np.array(self.maps[k][a:a + rows.stop - rows.start]))
+
+
+def tensor_map(path: Path, name: str) -> np.ndarray:
+    """A read-only memory map of one tensor of a safetensors file (8-byte header size, JSON
+    header, then the tensors' bytes at their data offsets)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[name]
+    dtype = {"F16": np.float16, "F32": np.float32}[info["dtype"]]
+    return np.memmap(path, dtype=dtype, mode="r", offset=8 + size + info["data_offsets"][0],
+                     shape=tuple(info["shape"]))
+
+
 def load_splits(cache_dir: Path, *prefixes: str | None) -> dict | None:
-    """All sequences of the cached splits `prefixes` (None skipped), in order, as flat tensors: ids,
-    mask, hidden (fp16), offsets. Shards are read one at a time into tensors allocated once, so the
-    features (an EAGLE-3 head's are four hidden states a token) take their size in memory, not
-    two or three times it while they are joined."""
+    """All sequences of the cached splits `prefixes` (None skipped), in order: ids, mask and
+    offsets as flat tensors, the features (fp16; an EAGLE-3 head's are four hidden states a token)
+    as ShardRows over the shard files."""
     from safetensors import safe_open
     paths = [p for prefix in prefixes if prefix for p in sorted(cache_dir.glob(f"{prefix}-*.safetensors"))]
     if not paths:
         return None
-    shapes = []
+    ids, mask, lengths = [], [], []
     for path in paths:
         with safe_open(str(path), "np") as f:
-            shapes.append(f.get_slice("hidden").get_shape())
-    total, width = sum(rows for rows, _ in shapes), shapes[0][1]
-    ids, mask = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.uint8)
-    hidden = torch.empty(total, width, dtype=torch.float16)
-    lengths, row = [], 0
-    for path, (rows, _) in zip(paths, shapes):
-        with safe_open(str(path), "np") as f:
-            ids[row:row + rows] = torch.from_numpy(f.get_tensor("ids").astype(np.int64))
-            mask[row:row + rows] = torch.from_numpy(f.get_tensor("mask"))
-            hidden[row:row + rows] = torch.from_numpy(f.get_tensor("hidden"))
+            ids.append(f.get_tensor("ids").astype(np.int64))
+            mask.append(f.get_tensor("mask"))
             lengths.append(f.get_tensor("lengths"))
-        row += rows
     lengths = np.concatenate(lengths)
-    return {"ids": ids, "mask": mask, "hidden": hidden,
+    return {"ids": torch.from_numpy(np.concatenate(ids)), "mask": torch.from_numpy(np.concatenate(mask)),
+            "hidden": ShardRows([tensor_map(p, "hidden") for p in paths]),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), "lengths": lengths}
 
 
