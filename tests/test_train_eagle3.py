@@ -92,3 +92,17 @@ def test_init_refuses_a_head_of_the_other_kind(trained, tmp_path):
     with pytest.raises(SystemExit, match="is an EAGLE-3 head; --arch is eagle2"):
         main(["--base", "tiny-llama", "--out", str(tmp_path / "h"), "--data", str(data), "--max-tokens", "800",
               "--epochs", "1", "--threads", "1", "--init", str(out)])
+
+
+def test_continued_head_keeps_its_draft_vocabulary_and_its_counts(trained, tmp_path):
+    """--init on other data: the head keeps its draft vocabulary, and the counts saved beside it are
+    the ones that vocabulary came from, not the new data's."""
+    out, _ = trained
+    data = write_conversations(tmp_path / "convs.jsonl", n=8, seed=1)
+    cont = tmp_path / "continued"
+    main(["--base", "tiny-llama", "--out", str(cont), "--data", str(data), "--arch", "eagle3", "--draft-vocab", "96",
+          "--max-tokens", "800", "--max-len", "160", "--batch-tokens", "640", "--epochs", "1", "--threads", "1",
+          "--init", str(out)])
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(cont / "model.safetensors"))["d2t"], load_file(str(out / "model.safetensors"))["d2t"])
+    assert np.array_equal(np.load(cont / "token_counts.npy"), np.load(out / "token_counts.npy"))

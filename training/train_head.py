@@ -65,6 +65,7 @@ from tqdm import tqdm
 
 from models.checksums import sha256
 from models.cpu import bf16_matmuls
+from models.draft_vocab import COUNTS_FILE
 from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, additive_bias, causal_bias, eagle3_layers
 from models.train_data import (Example, encode, is_dev, prompt_ids, read_conversations, split,
@@ -965,6 +966,10 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     counts = reply_counts(train, cfg.vocab_size) if taps else None
     head = new_head(args, ckpt, counts, taps, n_positions, device)
+    if taps and args.init is not None:
+        # A continued head keeps its draft vocabulary: it ships the counts that vocabulary came from.
+        init_counts = Path(args.init) / COUNTS_FILE
+        counts = np.load(init_counts, allow_pickle=False) if init_counts.exists() else None
     # Epoch-end checks use the self-distilled dev replies when there are some: the text the head
     # drafts at inference is the base's own.
     watch, watch_name = (dev_distill, "dev (self-distilled)") if dev_distill is not None else (dev, "dev")
