@@ -65,8 +65,8 @@ from tqdm import tqdm
 
 from models.checksums import sha256
 from models.cpu import bf16_matmuls
-from models.draft_vocab import COUNTS_FILE
 from models.config import ModelConfig
+from models.draft_vocab import COUNTS_FILE
 from models.llama import CausalLM, Eagle3Head, EagleHead, additive_bias, causal_bias, eagle3_layers
 from models.train_data import (Example, encode, is_dev, prompt_ids, read_conversations, split,
                                write_dev_prompts)
@@ -756,6 +756,16 @@ def compute_features(args, base: CausalLM, data: Selection, cache_dir: Path, dev
     return stats
 
 
+def draft_counts(args, train: dict, vocab_size: int) -> np.ndarray | None:
+    """The reply-token counts an EAGLE-3 head's draft vocabulary comes from: this data's for a new
+    head; a head continued with --init keeps its vocabulary, so the counts it shipped with (None if
+    it shipped none)."""
+    if args.init is None:
+        return reply_counts(train, vocab_size)
+    path = Path(args.init) / COUNTS_FILE
+    return np.load(path, allow_pickle=False) if path.exists() else None
+
+
 def new_head(args, ckpt, counts: np.ndarray | None, taps: tuple[int, ...], n_positions: int, device):
     """The head to train: from --init, else a fresh EAGLE-3 head over `taps` or a fresh EAGLE-1/2 one."""
     cfg = ckpt.cfg
@@ -964,12 +974,8 @@ def main(argv=None) -> dict:
     lm = ckpt.state.get("lm_head.weight", ckpt.state["model.embed_tokens.weight"]).float().to(device)
 
     torch.manual_seed(args.seed)
-    counts = reply_counts(train, cfg.vocab_size) if taps else None
+    counts = draft_counts(args, train, cfg.vocab_size) if taps else None
     head = new_head(args, ckpt, counts, taps, n_positions, device)
-    if taps and args.init is not None:
-        # A continued head keeps its draft vocabulary: it ships the counts that vocabulary came from.
-        init_counts = Path(args.init) / COUNTS_FILE
-        counts = np.load(init_counts, allow_pickle=False) if init_counts.exists() else None
     # Epoch-end checks use the self-distilled dev replies when there are some: the text the head
     # drafts at inference is the base's own.
     watch, watch_name = (dev_distill, "dev (self-distilled)") if dev_distill is not None else (dev, "dev")
