@@ -254,6 +254,40 @@ def test_replies_made_by_the_engine_train_a_head(tmp_path, capsys):
     assert [e.id for e in later] == r["conversation_ids"][4:]
 
 
+def test_longer_prompts_are_taken_apart_from_those_an_earlier_file_took(tmp_path):
+    """training.distill --min-prompt: the prompts an earlier file skipped as longer than its
+    --max-prompt, and only those; a file made before the setting existed continues as made with 0."""
+    import runtime
+    from export.onnx_export import export_onnx
+    from models.registry import load_checkpoint
+    from training import distill
+    data = write_conversations(tmp_path / "convs.jsonl", n=30)
+    artifact = tmp_path / "tiny"
+    export_onnx(load_checkpoint("tiny-llama"), artifact, "fp32", 256, verify=False, log=lambda m: None)
+    gen = runtime.load(artifact)
+    every = distill.prompts(gen, str(data), 0, 100, 256, 2.0, 0)
+    cut = sorted(len(q) for _, q in every)[len(every) // 2]
+    short = distill.prompts(gen, str(data), 0, 100, cut, 2.0, 0)
+    longer = distill.prompts(gen, str(data), 0, 100, 256, 2.0, 0, min_prompt=cut)
+    gen.close()
+    assert short and longer and all(len(q) > cut for _, q in longer)
+    assert sorted(short + longer, key=every.index) == every
+    common = [str(artifact), "--data", str(data), "--max-new-tokens", "6", "--parallel", "2", "--chunk", "2"]
+    out = tmp_path / "long.npz"
+    assert distill.main(common + ["--out", str(out), "--min-prompt", str(cut), "--n", "2"]) == 0
+    r = distill.read(out)
+    assert r["conversation_ids"] == [c for c, _ in longer[:2]] and r["manifest"]["min_prompt"] == cut
+    # A file from before --min-prompt: its manifest has no such entry, and it goes on without one.
+    old = tmp_path / "old.npz"
+    assert distill.main(common + ["--out", str(old), "--n", "2"]) == 0
+    r = distill.read(old)
+    distill.write(old, {k: v for k, v in r["manifest"].items() if k != "min_prompt"}, r["conversation_ids"],
+                  r["prompts"], r["replies"])
+    assert distill.main(common + ["--out", str(old), "--n", "3"]) == 0
+    assert len(distill.read(old)["replies"]) == 3
+    assert json.loads(old.with_suffix(".json").read_text())["min_prompt"] == 0
+
+
 def test_second_turns_continue_the_conversations_after_the_first_replies(tmp_path):
     """training.distill --after: the second user turn of a first-turn file's conversations, after the
     first turn and the base's own complete reply (replies cut at the token limit are left out), and
@@ -318,10 +352,11 @@ def test_bf16_trains_on_features_cached_apart(tmp_path):
     assert abs(losses[1][-1] - losses[0][-1]) < 0.1 * losses[0][0]
 
 
-@pytest.mark.parametrize("name", ["distilled-sharegpt.npz", "distilled-sharegpt-turn2.npz"])
+@pytest.mark.parametrize("name", ["distilled-sharegpt.npz", "distilled-sharegpt-turn2.npz",
+                                  "distilled-sharegpt-long.npz"])
 def test_committed_replies_match_their_manifest(name):
     """The committed self-distilled replies read back as their manifest says: its counts, training
-    conversations only, token ids of the base's vocabulary."""
+    conversations only, prompts within its lengths, token ids of the base's vocabulary."""
     from pathlib import Path
 
     from training import distill
@@ -331,6 +366,7 @@ def test_committed_replies_match_their_manifest(name):
     assert len(r["replies"]) == len(r["prompts"]) == len(r["conversation_ids"]) == m["replies"]
     assert sum(map(len, r["replies"])) == m["reply_tokens"]
     assert not any(is_dev(c, m["dev_percent"]) for c in r["conversation_ids"])
+    assert all(m.get("min_prompt", 0) < len(q) <= m["max_prompt"] for q in r["prompts"])
     assert max(max(q) for q in r["prompts"] + r["replies"] if q) < m["vocab_size"]
     assert m == json.loads(path.with_suffix(".json").read_text())
 

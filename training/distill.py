@@ -3,12 +3,12 @@ compact file that is committed with the project, so that a new machine trains on
 regenerating them (python -m models.train_head --replies FILE).
 
     python -m training.distill ARTIFACT --out FILE.npz [--data sharegpt] [--skip 0] [--n 3000]
-        [--max-new-tokens 128] [--parallel 16] [--max-prompt 256] [--after FIRST.npz]
+        [--max-new-tokens 128] [--parallel 16] [--min-prompt 0] [--max-prompt 256] [--after FIRST.npz]
     python -m training.distill ARTIFACT --against-torch BASE [--n 32] ...   # speed against the trainer's loop
 
 Prompts: the first user turn (with any system turn) of the training split's conversations, in the
 trainer's order (models.train_data.split: the dev split stays held out), from the --skip-th on,
-skipping those longer than --max-prompt tokens. With --after FIRST.npz, the second user turn of
+skipping those longer than --max-prompt tokens or no longer than --min-prompt. With --after FIRST.npz, the second user turn of
 that file's conversations instead, after the first turn and the base's own (complete) reply. Replies: greedy, through the artifact's EAGLE-2
 tree, which is lossless: each reply is the one plain decoding of the artifact gives, end-of-turn
 token included. Use an fp32 artifact of the base the head is for (python -m export BASE
@@ -32,12 +32,15 @@ import numpy as np
 from tqdm import tqdm
 
 FORMAT = "eagle2-distilled-replies"
-SETTINGS = ("data", "skip", "max_new_tokens", "max_prompt", "artifact_sha256", "after")
+SETTINGS = ("data", "skip", "max_new_tokens", "min_prompt", "max_prompt", "artifact_sha256", "after")
+# Settings added later, as files made before them hold them.
+SETTING_DEFAULTS = {"min_prompt": 0}
 
 
 def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: float, seed: int,
-            after: dict | None = None):
-    """(conversation id, prompt ids) of up to n training conversations from the skip-th on.
+            after: dict | None = None, min_prompt: int = 0):
+    """(conversation id, prompt ids) of up to n training conversations from the skip-th on whose
+    prompts are longer than min_prompt tokens and no longer than max_prompt.
 
     `after` (a first-turn replies file, as read()): instead, the second user turn of its
     conversations, from its skip-th reply on, following the first turn and the base's own reply to
@@ -50,7 +53,7 @@ def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: flo
             if len(out) >= n:
                 break
             ids = gen.tokenizer.apply_chat_template(first_turn(conv))
-            if len(ids) <= max_prompt:
+            if min_prompt < len(ids) <= max_prompt:
                 out.append((conv.id, ids))
         return out
     convs = {c.id: c for c in train}
@@ -64,7 +67,7 @@ def prompts(gen, data: str, skip: int, n: int, max_prompt: int, dev_percent: flo
             continue  # no second turn, or a first reply cut at the token limit: not how chats go on
         answer = {"role": "assistant", "content": gen.tokenizer.decode(reply).strip()}
         ids = gen.tokenizer.apply_chat_template(first_turn(conv) + [answer, conv.messages[users[1]]])
-        if len(ids) <= max_prompt:
+        if min_prompt < len(ids) <= max_prompt:
             out.append((cid, ids))
     return out
 
@@ -133,7 +136,9 @@ def main(argv=None) -> int:
                    "first-turn replies file continued after the base's own replies")
     p.add_argument("--n", type=int, default=3000, help="replies to make (prompts that fit --max-prompt)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt", type=int, default=256, help="skip longer first turns")
+    p.add_argument("--min-prompt", type=int, default=0, help="skip prompts of this many tokens or fewer (those "
+                   "an earlier file took with it as --max-prompt)")
+    p.add_argument("--max-prompt", type=int, default=256, help="skip longer prompts")
     p.add_argument("--parallel", type=int, default=16, help="generations side by side")
     p.add_argument("--chunk", type=int, default=256, help="rewrite the file every this many replies")
     p.add_argument("--dev-percent", type=float, default=2.0, help="the trainer's held-out share (keep it equal)")
@@ -152,9 +157,10 @@ def main(argv=None) -> int:
         after = None if a.after is None else read(a.after)
         if after is not None and after["manifest"]["artifact_sha256"] != m["files"]["weights.bin"]:
             p.error(f"{a.after} holds another model's replies")
-        settings = {"data": a.data, "skip": a.skip, "max_new_tokens": a.max_new_tokens, "max_prompt": a.max_prompt,
+        settings = {"data": a.data, "skip": a.skip, "max_new_tokens": a.max_new_tokens,
+                    "min_prompt": a.min_prompt, "max_prompt": a.max_prompt,
                     "artifact_sha256": m["files"]["weights.bin"], "after": None if a.after is None else a.after.name}
-        todo = prompts(gen, a.data, a.skip, a.n, a.max_prompt, a.dev_percent, a.seed, after)
+        todo = prompts(gen, a.data, a.skip, a.n, a.max_prompt, a.dev_percent, a.seed, after, a.min_prompt)
         if a.against_torch:
             r = against_torch(gen, a.against_torch, todo, a.max_new_tokens, a.torch_batch)
             loop, engine = r["torch_loop_tokens_per_s"], r["engine_tokens_per_s"]
@@ -163,9 +169,10 @@ def main(argv=None) -> int:
                   f"({engine / loop:.2f}x); same replies {r['same_replies']} of {r['prompts']}")
             return 0
         done = read(a.out) if a.out.exists() else None
-        if done is not None and {k: done["manifest"].get(k) for k in SETTINGS} != settings:
-            p.error(f"{a.out} was made with other settings ({ {k: done['manifest'].get(k) for k in SETTINGS} }): "
-                    "choose another --out")
+        made_with = None if done is None else \
+            {k: done["manifest"].get(k, SETTING_DEFAULTS.get(k)) for k in SETTINGS}
+        if made_with is not None and made_with != settings:
+            p.error(f"{a.out} was made with other settings ({made_with}): choose another --out")
         ids, prompt_ids, replies = ([], [], []) if done is None else \
             (done["conversation_ids"], done["prompts"], done["replies"])
         seconds = 0.0 if done is None else done["manifest"]["seconds"]
