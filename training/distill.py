@@ -8,11 +8,12 @@ regenerating them (python -m models.train_head --replies FILE).
 
 Prompts: the first user turn (with any system turn) of the training split's conversations, in the
 trainer's order (models.train_data.split: the dev split stays held out), from the --skip-th on,
-skipping those longer than --max-prompt tokens or no longer than --min-prompt. With --after FIRST.npz, the second user turn of
-that file's conversations instead, after the first turn and the base's own (complete) reply. Replies: greedy, through the artifact's EAGLE-2
-tree, which is lossless: each reply is the one plain decoding of the artifact gives, end-of-turn
-token included. Use an fp32 artifact of the base the head is for (python -m export BASE
---precision fp32): its replies are the base's own, up to rounding.
+skipping those longer than --max-prompt tokens or no longer than --min-prompt. With --after
+FIRST.npz, the second user turn of that file's conversations instead, after the first turn and the
+base's own (complete) reply. Replies: greedy, through the artifact's EAGLE-2 tree, which is
+lossless: each reply is the one plain decoding of the artifact gives, end-of-turn token included.
+Use an fp32 artifact of the base the head is for (python -m export BASE --precision fp32): its
+replies are the base's own, up to rounding.
 
 The file (numpy .npz, compressed): prompt and reply token ids, concatenated (uint16 where the
 vocabulary fits), their lengths, the conversation ids, and a manifest (JSON, also written beside
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 FORMAT = "eagle2-distilled-replies"
 SETTINGS = ("data", "skip", "max_new_tokens", "min_prompt", "max_prompt", "artifact_sha256", "after")
-# Settings added later, as files made before them hold them.
+# Settings added after files were made: the value those files were made with.
 SETTING_DEFAULTS = {"min_prompt": 0}
 
 
