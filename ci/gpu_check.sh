@@ -7,7 +7,7 @@
 # attention, caches and step outputs on the GPU). Prints one table and writes it to OUT_DIR as
 # gpu_check.md / gpu_check.json.
 #
-#   bash ci/gpu_check.sh [OUT_DIR] [runtime.gpu_check options]      (OUT_DIR defaults to $GPU_CHECK_OUT, else gpu_check_out)
+#   bash ci/gpu_check.sh [OUT_DIR] [tools.gpu_check options]      (OUT_DIR defaults to $GPU_CHECK_OUT, else gpu_check_out)
 #
 # Installs nothing (GPU machines may have no network): it needs a python3 ($PYTHON) with CUDA PyTorch
 # and the packages below, and runs from the git tree as it is. About 3-5 minutes on an H100/H200;
@@ -22,7 +22,7 @@ if [ -n "$missing" ]; then
     exit 1
 fi
 "$PY" -c 'import sys, torch; sys.exit(None if torch.cuda.is_available() else
-    f"gpu_check: torch {torch.__version__} sees no CUDA device (run python -m runtime.gpu_check --device cpu --quick on a CPU)")'
+    f"gpu_check: torch {torch.__version__} sees no CUDA device (run python -m tools.gpu_check --device cpu --quick on a CPU)")'
 out=${1:-${GPU_CHECK_OUT:-gpu_check_out}}
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout 480 "$PY" -m runtime.gpu_check --device cuda \
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout 480 "$PY" -m tools.gpu_check --device cuda \
     --out "$out" "${@:2}"

@@ -17,5 +17,6 @@ dir="$(mktemp -d)"
     > /dev/null 2>&1
 .venv/bin/python -m export tiny-llama --out "$dir/exact" --max-length 256 > /dev/null 2>&1
 PYTHONPATH="$PWD" EAGLE2_OPENVINO_ARTIFACT="$dir/fused" EAGLE2_OPENVINO_EXACT_ARTIFACT="$dir/exact" \
-    .venv-openvino/bin/python -m pytest -q -p no:cacheprovider tests/test_runtime_openvino.py
+    .venv-openvino/bin/python -m pytest -q -p no:cacheprovider tests/test_runtime_openvino.py \
+    tests/test_backend_contract.py
 rm -rf "$dir"

@@ -2,28 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from artifact.directory import check_output
+from artifact.manifest import ArtifactError
 from models.config import UnsupportedModelError
+from models.gguf_blocks import GGUFBlocksError
 from models.registry import ALIASES
 from models.train_data import DataError
 from models.weights import WeightsError
 
-from .artifact import ArtifactError, check_output
-from .onnx_graph import ATTENTIONS, INT8_BLOCK, INT8_BLOCKS, PRECISIONS
-from models.gguf_blocks import GGUFBlocksError
-
-from .common import (DEFAULT_DRAFT_VOCAB, PORTABLE_PRECISION, ExportError, choose_draft_vocab,
-                     default_precision)
-from .onnx_export import export_onnx
+from .common import DEFAULT_DRAFT_VOCAB, ExportError, choose_draft_vocab
+from .onnx_graph import ATTENTIONS, INT8_BLOCK, INT8_BLOCKS
+from .targets import Options, target
 from .verify import ParityError
-
-TARGETS = ("onnx", "ipex", "torch")
-# Precision when --precision is not given: each target's fastest whose speculation is lossless
-# (onnx: on the CPU exporting, see default_precision).
-TARGET_DEFAULT_PRECISION = {"ipex": "bf16", "torch": "fp32"}
-TORCH_PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,11 +53,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_out(model: str, precision: str, target: str = "onnx") -> Path:
+def default_out(model: str, precision: str, target_name: str = "onnx") -> Path:
     name = model if model in ALIASES else Path(model.rstrip("/")).name.removesuffix(".gguf").replace("/", "--")
-    if target != "onnx":
-        return Path("artifacts") / f"{name}-{target}-{precision}"
-    return Path("artifacts") / (name if precision == default_precision() else f"{name}-{precision}")
+    return target(target_name).out(name, precision)
 
 
 def main(argv=None) -> int:
@@ -74,39 +66,21 @@ def main(argv=None) -> int:
         return 0
     if not args.model:
         parser().error("MODEL is required (or --list)")
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     try:
-        if args.target not in TARGETS:
-            raise ExportError(f"unsupported target {args.target!r}; choose one of {', '.join(TARGETS)}")
-        precision = args.precision or TARGET_DEFAULT_PRECISION.get(args.target) or default_precision()
-        if not args.precision and args.target == "onnx" and precision != PORTABLE_PRECISION:
-            print(f"precision {precision}: the default on this CPU (AMX int8 tiles); --precision int8 gives "
-                  "an artifact every x86-64 CPU runs", file=sys.stderr)
-        allowed = PRECISIONS if args.target == "onnx" else TORCH_PRECISIONS[args.target]
-        if precision not in allowed:
-            raise ExportError(f"unsupported precision {precision!r} for --target {args.target}; "
-                              f"choose one of {', '.join(allowed)}")
-        if args.target != "onnx" and (args.attention or args.int8_block != INT8_BLOCK):
-            raise ExportError(f"--attention and --int8-block apply to --target onnx only; a {args.target} "
-                              "artifact's attention is exact")
-        if args.target == "ipex":
-            from .torch_export import import_ipex
-            import_ipex()  # before loading weights, which can take minutes
-        out = args.out or default_out(args.model, precision, args.target)
+        chosen = target(args.target)
+        precision = chosen.precision(args.precision, log)
+        options = Options(args.max_length, verify=not args.no_verify, overwrite=args.force,
+                          draft_precision=args.draft_precision, attention=args.attention, int8_block=args.int8_block)
+        chosen.check_options(options)
+        chosen.prepare()
+        out = args.out or default_out(args.model, precision, chosen.name)
         check_output(out, args.force)
         from models.registry import load_checkpoint
         print(f"loading {args.model} ...", file=sys.stderr)
         ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)
-        log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-        vocab = choose_draft_vocab(ckpt, args.draft_vocab)
-        if args.target == "onnx":
-            manifest = export_onnx(ckpt, out, precision, args.max_length, verify=not args.no_verify,
-                                   overwrite=args.force, log=log, draft_precision=args.draft_precision,
-                                   attention=args.attention, draft_vocab=vocab, int8_block=args.int8_block)
-        else:
-            from .torch_export import export_torch
-            manifest = export_torch(ckpt, out, args.target, precision, args.max_length, verify=not args.no_verify,
-                                    overwrite=args.force, log=log, draft_vocab=vocab,
-                                    draft_precision=args.draft_precision)
+        options = dataclasses.replace(options, draft_vocab=choose_draft_vocab(ckpt, args.draft_vocab))
+        manifest = chosen.export(ckpt, out, precision, options, log)
     except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError,
             GGUFBlocksError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -115,9 +89,9 @@ def main(argv=None) -> int:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
     head = "with draft head" if manifest["head"] else "base only (no draft head)"
-    print(f"exported {args.model} ({args.target}, {precision}, {head}) in {manifest['export_seconds']} s"
-          if args.target != "onnx" else f"exported {args.model} ({precision}, {head}) in {manifest['export_seconds']} s")
+    kind = precision if chosen.name == "onnx" else f"{chosen.name}, {precision}"
+    print(f"exported {args.model} ({kind}, {head}) in {manifest['export_seconds']} s")
     print(f"artifact: {out.resolve()}")
-    provider = "" if args.target == "onnx" else f" --provider {args.target}"
+    provider = "" if chosen.provider == "cpu" else f" --provider {chosen.provider}"
     print(f'next: python -m runtime generate {out}{provider} --prompt "What is the capital of France?" --stats')
     return 0

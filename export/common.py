@@ -6,11 +6,11 @@ import platform
 import time
 from pathlib import Path
 
+from artifact.manifest import write_manifest
 from models.cpu import cpu_flags
 from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
 
-from .artifact import write_manifest
 
 # Tree sizes by precision, used until `python -m runtime tune` records one for the machine: on a
 # 2-core CPU every draft call and every extra verified token costs a sizeable share of a decode

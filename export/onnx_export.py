@@ -13,17 +13,18 @@ import onnx
 import torch
 from tqdm import tqdm
 
+from artifact.directory import atomic_directory
 from models.draft_vocab import DraftVocab
 from models.gguf_blocks import read_blocks
 from models.tensors import LazyTensors, fp32_arrays
 from models.weights import Checkpoint
 
-from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .memory import check_memory, resident_calibration
-from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, WEIGHTS_FILE, WeightStore,
+from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS,
                          build_base, build_draft, build_draft_eagle3, lm_head_name)
+from .onnx_writer import WEIGHTS_FILE, WeightStore
 from .smoothing import ALPHA, SMOOTHED, activation_maxima, smooth
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.

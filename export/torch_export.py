@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from artifact.directory import atomic_directory
 from models.attention import KEY_BLOCK
 from models.cpu import cpu_flags
 from models.draft_vocab import DraftVocab
 from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
 
-from .artifact import atomic_directory
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, draft_vocab_entry, finish_manifest, head_entry,
                      save_tokenizer, stop_token_ids, versions)
 from .torch_graph import MAX_K, BaseStep, DraftStep, Eagle3DraftStep

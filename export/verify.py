@@ -16,7 +16,7 @@ from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, RMSNorm, causal_bias, eagle3_layers, forward_layers
 from models.tensors import LazyTensors, layer_tensors
-from runtime.providers import open_session
+from runtime import open_session
 
 from .onnx_graph import INT8_BLOCK, W8A8_ZERO_POINT, dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
 
@@ -172,37 +172,41 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state: Mapping, hea
             tolerance[name] = max(tolerance[name], ROUNDING_MARGIN * alone)
         del rounded
     if head_cfg is not None:
-        head = (Eagle3Head if head_cfg.eagle3 else EagleHead)(head_cfg, n_pos).eval()
-        head.load_state_dict(stored_weights(head_state, draft_precision, int8_block))
         draft_lm = stored_weight("lm_head.weight", state[lm_name], draft_precision, int8_block)
-        embed = stored["model.embed_tokens.weight"]
-        draft = session("draft")
-        dcache = KVCache(head_cfg, cache_len)
-        k = min(8, head_cfg.draft_vocab_size if head_cfg.eagle3 else cfg.vocab_size)
-        top_k = np.array([k], np.int64)
-        with torch.no_grad():
-            for (ids, pos, bias, start), feats in zip(steps, features):
-                out = draft.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
-                                 "features": _cast(feats.numpy(), io_dtype), "top_k": top_k,
-                                 "logit_rows": np.arange(ids.shape[1])}, k=k)
-                h = head(embed[torch.from_numpy(ids)], feats, torch.from_numpy(pos), torch.from_numpy(bias), dcache,
-                         start)
-                if head_cfg.eagle3:
-                    vocab = head.vocab
-                    logp = torch.log_softmax(head.logits(h).float(), -1)
-                else:
-                    vocab = torch.arange(draft_lm.shape[0]) if draft_vocab is None else torch.from_numpy(draft_vocab)
-                    logp = torch.log_softmax(h.float() @ draft_lm[vocab].T, -1)
-                record("draft.hidden_states", out["hidden_states"], h)
-                record("draft.topk_logprobs", out["topk_logprobs"], logp.topk(k, -1).values)
-                if not np.isin(out["topk_ids"], vocab.numpy()).all():
-                    raise ParityError("the draft graph proposed a token outside its draft vocabulary")
-        del draft
+        _check_draft(session("draft"), head_cfg, head_state, draft_lm, stored["model.embed_tokens.weight"],
+                     steps, features, k=min(8, head_cfg.draft_vocab_size if head_cfg.eagle3 else cfg.vocab_size),
+                     n_pos=n_pos, cache_len=cache_len, io_dtype=io_dtype, draft_precision=draft_precision,
+                     int8_block=int8_block, draft_vocab=draft_vocab, record=record)
     tolerance.update({n: TOLERANCE[draft_precision] for n in diffs if n.startswith("draft.")})
     bad = [f"{n} {diffs[n]:.3g} > {t:.3g}" for n, t in tolerance.items() if diffs[n] > t]
     if bad:
         raise ParityError("graphs differ from the PyTorch definition: " + ", ".join(bad))
     return diffs
+
+
+@torch.no_grad()
+def _check_draft(draft, head_cfg, head_state, draft_lm, embed, steps, features, k: int, n_pos: int, cache_len: int,
+                 io_dtype: str, draft_precision: str, int8_block: int, draft_vocab, record) -> None:
+    """The draft graph's steps against the PyTorch head fed the reference base's features."""
+    head = (Eagle3Head if head_cfg.eagle3 else EagleHead)(head_cfg, n_pos).eval()
+    head.load_state_dict(stored_weights(head_state, draft_precision, int8_block))
+    dcache = KVCache(head_cfg, cache_len)
+    top_k = np.array([k], np.int64)
+    for (ids, pos, bias, start), feats in zip(steps, features):
+        out = draft.run({"input_ids": ids, "position_ids": pos, "attention_bias": _cast(bias, io_dtype),
+                         "features": _cast(feats.numpy(), io_dtype), "top_k": top_k,
+                         "logit_rows": np.arange(ids.shape[1])}, k=k)
+        h = head(embed[torch.from_numpy(ids)], feats, torch.from_numpy(pos), torch.from_numpy(bias), dcache, start)
+        if head_cfg.eagle3:
+            vocab = head.vocab
+            logp = torch.log_softmax(head.logits(h).float(), -1)
+        else:
+            vocab = torch.arange(draft_lm.shape[0]) if draft_vocab is None else torch.from_numpy(draft_vocab)
+            logp = torch.log_softmax(h.float() @ draft_lm[vocab].T, -1)
+        record("draft.hidden_states", out["hidden_states"], h)
+        record("draft.topk_logprobs", out["topk_logprobs"], logp.topk(k, -1).values)
+        if not np.isin(out["topk_ids"], vocab.numpy()).all():
+            raise ParityError("the draft graph proposed a token outside its draft vocabulary")
 
 
 @torch.no_grad()

@@ -112,7 +112,7 @@ def _head_directory(model: str, head: str) -> Path:
         path = SHIPPED_HEADS / head.split(":")[1]
         if not path.exists():
             raise WeightsError(f"no head has been shipped for {model} yet: export it with --no-head, "
-                               "or train one with python -m models.train_head")
+                               "or train one with python -m training.train_head")
         return path
     return _local_or_hub(head, "head")
 

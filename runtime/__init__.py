@@ -1,5 +1,10 @@
-"""EAGLE-2 runtime over ONNX Runtime: `gen = runtime.load(artifact); gen.generate(prompt)`."""
+"""EAGLE-2 runtime over ONNX Runtime: `gen = runtime.load(artifact); gen.generate(prompt)`.
+
+open_session opens one graph of an artifact on a provider's backend (runtime/backend.py), for code
+that steps a graph itself, such as the exporter's parity check."""
 from .api import GenerationOutput, Generator, load
+from .backend import ProviderError
+from .providers import open_session
 from .session import openvino_options
 
-__all__ = ["GenerationOutput", "Generator", "load", "openvino_options"]
+__all__ = ["GenerationOutput", "Generator", "ProviderError", "load", "open_session", "openvino_options"]

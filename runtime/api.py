@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.artifact import read_manifest
+from artifact.manifest import read_manifest
 
 from .batch import FINISHED, Scheduler
 from .engine import Engine

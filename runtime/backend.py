@@ -1,46 +1,24 @@
-"""The contract between the engine (runtime/engine.py) and a backend: one graph, base or draft, with
-its KV cache, stepped with numpy inputs by name. ONNX Runtime's GraphSession (runtime/session.py) and
-torch's TorchSession (runtime/torch_session.py) implement it, each with its own caches and its own
-check of exactness; runtime/providers.py picks one for a provider. The engine depends on nothing else.
+"""The contract between the engine (runtime/engine.py, and through it runtime/batch.py) and a
+backend. A backend is a class (Backend) that answers questions about a provider and an artifact
+before anything loads, and opens Sessions: one graph, base or draft, with its KV cache, stepped with
+numpy inputs by name. ONNX Runtime's GraphSession (runtime/session.py) and torch's TorchSession
+(runtime/torch_session.py) implement both; runtime/providers.py picks one for a provider and is the
+one place that tells them apart. tests/test_backend_contract.py runs every installed backend
+through the same checks.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
-
 
 class ProviderError(ValueError):
-    """The requested execution provider is unknown or not installed."""
+    """The requested provider is unknown or not installed, or cannot run this artifact here."""
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    """A graph's interface as its manifest entry lists it: the step's own inputs and outputs apart
-    from its caches (past_* inputs [1, heads, length, width], written in place as present_*)."""
-    inputs: list[str]                  # in the graph's order, as are outputs
-    outputs: list[str]
-    shapes: dict[str, list]            # of inputs and outputs by name; "T", "R", "k" are a step's sizes
-    dtypes: dict[str, type]
-    cache_names: list[str]
-    cache_dims: list[tuple[int, int]]  # (heads, width) of each cache
-    cache_dtype: type
-
-    @classmethod
-    def parse(cls, spec: dict) -> GraphSpec:
-        past = [i for i in spec["inputs"] if i["name"].startswith("past_")]
-        own = [i for i in spec["inputs"] + spec["outputs"] if not i["name"].startswith(("past_", "present_"))]
-        return cls(inputs=[i["name"] for i in spec["inputs"] if i not in past],
-                   outputs=[o["name"] for o in spec["outputs"] if not o["name"].startswith("present_")],
-                   shapes={i["name"]: i["shape"] for i in own}, dtypes={i["name"]: NP_DTYPES[i["dtype"]] for i in own},
-                   cache_names=[i["name"] for i in past], cache_dims=[(i["shape"][1], i["shape"][3]) for i in past],
-                   cache_dtype=NP_DTYPES[past[0]["dtype"]])
-
-
+@runtime_checkable
 class Session(Protocol):
     """One graph with its KV cache and its step buffers."""
 
@@ -49,9 +27,9 @@ class Session(Protocol):
     buffers they are copied into, as device tensors (indexed like numpy arrays)."""
 
     slotted: bool
-    """Whether the graph holds the caches of several sequences and a step may hold rows of any of
-    them (inputs row_gather, row_scatter, cache_sequences, cache_slots; export/onnx_graph.py). Other
-    graphs hold one sequence and write a step's rows side by side."""
+    """The slot layout: whether the graph holds the caches of several sequences and a step may hold
+    rows of any of them (inputs row_gather, row_scatter, cache_sequences, cache_slots;
+    export/onnx_graph.py). Other graphs hold one sequence and write a step's rows side by side."""
 
     @property
     def capacity(self) -> int:
@@ -75,7 +53,36 @@ class Session(Protocol):
         """The caches as host arrays [sequences, heads, capacity, width] (host-resident caches only)."""
 
     def keeps_exactness(self, manifest: dict, matches_decoding: Callable[[], bool]) -> bool:
-        """Whether this machine keeps the artifact's claim that verification computes every tree node
-        bitwise as plain decoding does (asked only of artifacts that claim it). matches_decoding
-        runs the engine's check on a branching tree, for backends whose exactness rests on kernels
-        that must be measured here."""
+        """The exactness probe: whether this machine keeps the artifact's claim that verification
+        computes every tree node bitwise as plain decoding does (asked only of artifacts that claim
+        it). matches_decoding runs the engine's check on a branching tree, for backends whose
+        exactness rests on kernels that must be measured here."""
+
+
+class Backend(Protocol):
+    """What a backend answers before it opens anything, and how it opens a Session. Every question
+    raises ProviderError with what to do instead, or answers for this machine."""
+
+    providers: tuple[str, ...]
+    """The providers it runs (runtime/providers.py maps each to one backend)."""
+
+    @staticmethod
+    def check_provider(provider: str) -> None:
+        """Refuse an unknown or uninstalled provider before anything loads."""
+
+    @staticmethod
+    def check_artifact(manifest: dict, provider: str) -> None:
+        """Refuse an artifact this provider cannot run here (its target, precision, attention or
+        this CPU), saying what to export instead."""
+
+    @staticmethod
+    def batches(manifest: dict) -> bool:
+        """Batching capability: whether the artifact's graphs hold several sequences' caches and a
+        step may hold rows of any of them (its sessions would be `slotted`). Asked after
+        check_artifact."""
+
+    @classmethod
+    def open(cls, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int,
+             max_k: int, threads: int | None, options: dict | None, sequences: int = 1) -> Session:
+        """A Session of the graph at `path` (its manifest entry `spec`) with caches of `cache_length`
+        positions for `sequences` sequences, steps of at most `max_tokens` rows and top-`max_k`."""

@@ -32,14 +32,6 @@ FINISHED = None  # the queue's last item
 log = logging.getLogger("runtime.batch")
 
 
-def can_batch(manifest: dict, provider: str) -> bool:
-    """Whether an artifact decodes sequences side by side on this provider: its base graph writes each
-    row at its own cache slot (ONNX exact attention, on the host or in CUDA memory)."""
-    base = manifest["graphs"]["base"]
-    return (manifest.get("target", "onnx") == "onnx" and provider in ("cpu", "cuda")
-            and any(i["name"] == "cache_slots" for i in base["inputs"]))
-
-
 @dataclass(eq=False)
 class Request:
     prompt: list[int]

@@ -1,13 +1,13 @@
-"""python -m runtime generate ARTIFACT --prompt "..." | python -m runtime chat ARTIFACT | python -m runtime bench ARTIFACT"""
+"""python -m runtime generate ARTIFACT --prompt "..." | chat ARTIFACT | tune ARTIFACT | serve ARTIFACT"""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from export.artifact import ArtifactError
+from artifact.manifest import ArtifactError
 
 from .generation import PromptTooLongError, tree_label
-from .session import ProviderError
+from .backend import ProviderError
 
 
 def _common(p):
@@ -32,7 +32,8 @@ def _common(p):
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="python -m runtime")
+    p = argparse.ArgumentParser(prog="python -m runtime", epilog="benchmarks: python -m runtime.bench (decoders side by "
+                                "side), python -m runtime.load_bench (the server under load)")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion")
     _common(g)

@@ -4,25 +4,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .backend import Session
-from .session import GraphSession, check_provider as check_onnx_provider
-from .torch_session import TORCH_PROVIDERS, TorchSession
+from .backend import Backend, ProviderError, Session
+from .session import GraphSession
+from .torch_session import TorchSession
+
+BACKENDS: tuple[type[Backend], ...] = (GraphSession, TorchSession)
 
 
-def backend(provider: str) -> type[GraphSession] | type[TorchSession]:
-    return TorchSession if provider in TORCH_PROVIDERS else GraphSession
+def backend(provider: str) -> type[Backend]:
+    for b in BACKENDS:
+        if provider in b.providers:
+            return b
+    known = [p for b in BACKENDS for p in b.providers]
+    raise ProviderError(f"unknown provider {provider!r}; choose one of {', '.join(known[:3])} (ONNX artifacts), "
+                        f"or {' / '.join(known[3:])} for torch artifacts")
 
 
 def check_provider(provider: str) -> None:
-    """Refuse an unknown or uninstalled ONNX Runtime provider before anything loads; torch's are
-    checked when their session imports torch."""
-    if backend(provider) is GraphSession:
-        check_onnx_provider(provider)
+    backend(provider).check_provider(provider)
 
 
 def check_target(manifest: dict, provider: str) -> None:
     """Whether the provider's backend runs this artifact, here."""
-    backend(provider).check_artifact(manifest, provider)
+    b = backend(provider)
+    b.check_provider(provider)
+    b.check_artifact(manifest, provider)
+
+
+def can_batch(manifest: dict, provider: str) -> bool:
+    """Whether the artifact decodes sequences side by side on this provider (runtime/batch.py)."""
+    check_target(manifest, provider)
+    return backend(provider).batches(manifest)
 
 
 def open_session(root: Path, spec: dict, provider: str, device: str, cache_length: int, steps: int, max_k: int,

@@ -17,9 +17,10 @@ import json
 import numpy as np
 import onnxruntime as ort
 
+from artifact.graphs import GraphSpec
 from models.cpu import int8_dot_products
 
-from .backend import GraphSpec, ProviderError
+from .backend import ProviderError
 from .caches import DeviceCaches, HostCaches, move_positions, torch_dtype
 from .torch_device import DeviceRows
 
@@ -118,16 +119,29 @@ def create_session(path: str, provider: str, threads: int | None, options: dict 
     return session
 
 
+def _grows(io: GraphSpec) -> bool:
+    """Whether a graph's caches are host stores that grow in place: exact attention's, whose steps say
+    where their rows go (cache_slots, or cache_position before sequence slots)."""
+    return io.slotted or "cache_position" in io.inputs
+
+
 class GraphSession:
     """One graph (base or draft) with its in-place KV cache and preallocated step buffers."""
+
+    providers = tuple(PROVIDERS)
+    check_provider = staticmethod(check_provider)
 
     @staticmethod
     def check_artifact(manifest: dict, provider: str) -> None:
         """ONNX Runtime runs ONNX artifacts, w8a8 ones only where its int8 products are right; a
-        device provider only graphs whose operators all have its kernels."""
+        device provider only graphs whose operators all have its kernels; OpenVINO only graphs that
+        keep their caches themselves."""
         target = manifest.get("target", "onnx")
         if target != "onnx":
             raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+        if provider == "openvino" and _grows(GraphSpec.parse(manifest["graphs"]["base"])):
+            raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
+                                "does not keep: export with --attention fused for OpenVINO")
         if provider in DEVICE_BUFFERS:
             if manifest.get("attention") != "exact":
                 raise ProviderError("this artifact's fused attention passes GroupQueryAttention an attention_bias, "
@@ -143,6 +157,10 @@ class GraphSession:
             # provider is held to the same rule: its kernels were not checked on such CPUs.
             raise ProviderError("w8a8 artifacts need a CPU with 8-bit dot products (AVX512-VNNI, AVX-VNNI or AMX); "
                                 "this one has none: export --precision int8 instead")
+
+    @staticmethod
+    def batches(manifest: dict) -> bool:
+        return GraphSpec.parse(manifest["graphs"]["base"]).slotted
 
     @classmethod
     def open(cls, path: str, spec: dict, provider: str, device: str, cache_length: int, max_tokens: int, max_k: int,
@@ -160,14 +178,11 @@ class GraphSession:
         # Exact attention holds the caches of several sequences and writes each row to its own
         # sequence's slot (cache_sequences, cache_slots; artifacts before it held one sequence and
         # took one cache_position for the step's rows).
-        self.slotted = "cache_slots" in io.inputs
+        self.slotted = io.slotted
         if sequences > 1 and not self.slotted:
             raise ProviderError("this artifact's graphs hold one sequence at a time (fused attention, or an export "
                                 "before sequence slots): export it again with exact attention to decode several")
-        self.grows = self.slotted or "cache_position" in io.inputs
-        if self.grows and provider == "openvino":
-            raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
-                                "does not keep: export with --attention fused for OpenVINO")
+        self.grows = _grows(io)
         # Whether the caches and outputs are torch tensors on a device (DEVICE_BUFFERS), and which.
         self.resident = provider in DEVICE_BUFFERS
         self.buffer_device = DEVICE_BUFFERS.get(provider, "cpu")

@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from .backend import GraphSpec
+from artifact.graphs import GraphSpec
 
 WARMUP = 2  # eager runs before a capture (cuBLAS sets up its workspace on the capture stream)
 

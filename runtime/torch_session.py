@@ -13,9 +13,10 @@ import warnings
 
 import numpy as np
 
+from artifact.graphs import GraphSpec
 from models.config import ModelConfig
 
-from .backend import GraphSpec, ProviderError
+from .backend import ProviderError
 from .caches import HostCaches
 from .torch_device import DeviceSteps
 
@@ -81,7 +82,19 @@ def _attention_sums_in_order(torch, kv_heads: int, rows: int, width: int, block:
 
 
 class TorchSession:
+    providers = TORCH_PROVIDERS
     slotted = False  # the graphs write a step's rows side by side (cache_position)
+
+    @staticmethod
+    def check_provider(provider: str) -> None:
+        """torch itself is checked when a session imports it: the ONNX path never does."""
+        if provider not in TORCH_PROVIDERS:
+            raise ProviderError(f"provider {provider!r} does not run torch artifacts; use one of "
+                                f"{', '.join(TORCH_PROVIDERS)}")
+
+    @staticmethod
+    def batches(manifest: dict) -> bool:
+        return False
 
     @staticmethod
     def check_artifact(manifest: dict, provider: str) -> None:

@@ -15,10 +15,10 @@ import pytest
 import torch
 import transformers
 
-from export.artifact import FORMAT, FORMAT_VERSION, ArtifactError, read_manifest
+from artifact.manifest import FORMAT, FORMAT_VERSION, ArtifactError, read_manifest
 from export.common import DEFAULT_TREE, TREE_POSITION_MARGIN
 from export.onnx_export import export_onnx
-from export.onnx_graph import IR_VERSION, OPSET, WEIGHTS_FILE, WeightStore
+from export.onnx_writer import IR_VERSION, OPSET, WEIGHTS_FILE, WeightStore
 from export.verify import ParityError
 from models.config import ModelConfig
 from models.registry import load_checkpoint
@@ -245,7 +245,7 @@ def fail(exc):
 
 FAILURE_POINTS = {
     "build_graph": ("export.onnx_export.build_draft", Boom("boom")),
-    "write_weights": ("export.onnx_graph.WeightStore.tensor", Boom("boom")),
+    "write_weights": ("export.onnx_writer.WeightStore.tensor", Boom("boom")),
     "save_tokenizer": ("export.onnx_export.save_tokenizer", Boom("boom")),
     "parity_check": ("export.verify.check_parity", Boom("boom")),
     "write_manifest": ("export.common.write_manifest", Boom("boom")),
@@ -381,7 +381,7 @@ def test_weight_store_refuses_two_different_tensors_under_one_name(tmp_path):
 
 
 def test_failed_export_removes_the_directories_it_created(tmp_path):
-    from export.artifact import atomic_directory
+    from artifact.directory import atomic_directory
     with pytest.raises(RuntimeError):
         with atomic_directory(tmp_path / "new" / "nested" / "out"):
             raise RuntimeError("export failed midway")

@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from export.artifact import read_manifest
+from artifact.manifest import read_manifest
 from export.common import default_precision
-from export import onnx_graph
+from export import onnx_graph, onnx_writer
 from export.verify import TOLERANCE, ParityError, check_parity, random_tree, stored_weights, tree_bias, w8a8_rows
 from models.config import ModelConfig
 from models.cpu import int8_dot_products
@@ -193,8 +193,8 @@ def test_w8a8_reference_rounds_rows_as_the_graph_does(tmp_path):
     arithmetic, and with unrounded rows only to the rounding."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((96, 256)).astype(np.float32)
-    with onnx_graph.WeightStore(tmp_path / onnx_graph.WEIGHTS_FILE) as store:
-        g = onnx_graph.Graph(store)
+    with onnx_writer.WeightStore(tmp_path / onnx_writer.WEIGHTS_FILE) as store:
+        g = onnx_writer.Graph(store)
         g.input("x", onnx.TensorProto.FLOAT, ["T", 256])
         y = onnx_graph.Builder(g, "w8a8", {}).linear("x", "layer.up_proj", weight)
         g.nodes.append(onnx.helper.make_node("Identity", [y], ["y"]))

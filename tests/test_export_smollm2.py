@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import runtime
-from export.artifact import read_manifest
+from artifact.manifest import read_manifest
 from export.verify import TOLERANCE
 
 pytestmark = pytest.mark.slow

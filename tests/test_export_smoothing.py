@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import runtime
-from export.artifact import read_manifest
+from artifact.manifest import read_manifest
 from export.onnx_export import export_onnx
 from export.smoothing import SMOOTHED, activation_maxima, smooth
 from models.cpu import int8_dot_products
 from models.llama import CausalLM, KVCache, causal_bias
 from models.registry import load_checkpoint
-from runtime.session import ProviderError
+from runtime.backend import ProviderError
 
 
 @pytest.fixture(scope="module", params=[("tiny-llama", True), ("tiny-qwen2", True), ("tiny-llama", False),

@@ -15,8 +15,8 @@ import runtime
 import runtime.torch_session as torch_session
 from export.torch_export import export_torch
 from models.registry import load_checkpoint
-from runtime.backend import GraphSpec
-from runtime.session import ProviderError
+from artifact.graphs import GraphSpec
+from runtime.backend import ProviderError
 from runtime.torch_device import DeviceRows, DeviceSteps
 from tools import gpu_check
 from tools.projection import (PUBLISHED, anchored_q1, fit_rank_model, interpolated, large_model_projection,

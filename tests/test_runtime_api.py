@@ -7,10 +7,10 @@ import tracemalloc
 import pytest
 
 import runtime
-from export.artifact import ArtifactError
+from artifact.manifest import ArtifactError
 from export.onnx_export import export_onnx
 from models.registry import load_checkpoint
-from runtime.session import ProviderError
+from runtime.backend import ProviderError
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 import runtime
 from models.cpu import cpu_flags
-from runtime.session import ProviderError
+from runtime.backend import ProviderError
 
 pytestmark = pytest.mark.skipif("OpenVINOExecutionProvider" not in ort.get_available_providers(),
                                 reason="OpenVINO EP not in this onnxruntime build (ci/test_openvino.sh runs this)")

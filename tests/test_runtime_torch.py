@@ -17,7 +17,7 @@ from export.torch_export import IPEX_BF16_NEEDS, IPEX_BF16_TREE, export_torch, i
 from models.attention import KEY_BLOCK, value_product
 from models.cpu import cpu_flags, cpu_name
 from models.registry import load_checkpoint
-from runtime.session import ProviderError
+from runtime.backend import ProviderError
 from runtime.torch_session import CACHE_STEP
 from tools.gpu_check import sampling_checkpoint
 from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
@@ -154,7 +154,7 @@ def test_ipex_drafts_in_int8_by_default(tmp_path):
 def test_bench_counts_a_torchscript_graphs_weights_less_its_lookup_tables(torch_artifact):
     """The draft looks rows up in its own copy of the embedding, and so does an untied base (a tied
     one reads its table whole as the lm_head)."""
-    from tools.bench import graph_weight_bytes
+    from runtime.bench import graph_weight_bytes
     m = runtime.load(torch_artifact, provider="torch").manifest
     cfg = m["model"]["config"]
     table = cfg["vocab_size"] * cfg["hidden_size"] * 2  # bf16

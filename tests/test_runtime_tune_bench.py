@@ -9,10 +9,10 @@ import runtime
 from eagle2 import tree_from_parents
 from export.common import DEFAULT_TREE
 from runtime.generation import DEFAULT_LOOKUP, as_tree, tree_label
-from runtime import tune
+from runtime import bench, tune
 from runtime.prompts import load_prompts
 from runtime.tuning import TUNING_FILE, read_tuning
-from tools import acceptance, bench
+from tools import acceptance
 
 # The tree "default" names for the int8 artifact (no tuning recorded), as list and as "n/d/k".
 DEFAULT = [DEFAULT_TREE["int8"][k] for k in ("total_tokens", "depth", "top_k")] + [DEFAULT_LOOKUP]
@@ -140,7 +140,7 @@ def test_bench_reports_every_configuration(artifact, tmp_path):
 
 
 def test_bench_runs_artifacts_of_a_worker_provider_in_a_worker(artifact, tmp_path, monkeypatch):
-    """--worker cpu=PYTHON: each cpu artifact decodes in its own tools.bench_worker process (here
+    """--worker cpu=PYTHON: each cpu artifact decodes in its own runtime.bench_worker process (here
     under this interpreter), prompt by prompt; the figures come back as from this process."""
     import shutil
     import sys
@@ -152,7 +152,7 @@ def test_bench_runs_artifacts_of_a_worker_provider_in_a_worker(artifact, tmp_pat
     out = tmp_path / "bench.json"
     assert bench.main([f"{artifact}@cpu", str(second), "--worker", f"cpu={sys.executable}", "--prompts", "builtin",
                        "--n", "2", "--max-new-tokens", "16", "--trees", "4/1/2+8", "--json", str(out)]) == 0
-    assert [a[:3] for a in started] == [[sys.executable, "-m", "tools.bench_worker"]] * 2
+    assert [a[:3] for a in started] == [[sys.executable, "-m", "runtime.bench_worker"]] * 2
     rows = json.loads(out.read_text())["rows"]
     assert [r["tree"] for r in rows] == [None, [4, 1, 2, 8]] * 2
     assert rows[1]["tau"] == rows[3]["tau"] >= 1.0 and rows[1]["verify_ms"] > 0
@@ -197,7 +197,7 @@ def test_peers_decode_the_requested_tokens(name, module, smollm2_artifact):
     import importlib.util
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"the {name} peer is not installed (bash ci/install_peers.sh)")
-    from tools.peers import make_peers
+    from runtime.peers import make_peers
     gen = runtime.load(smollm2_artifact)
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     for peer in make_peers([name], "smollm2-135m"):
@@ -213,7 +213,7 @@ def test_the_llamacpp_peer_takes_a_gguf_file(smollm2_artifact):
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("the llamacpp peer is not installed (bash ci/install_peers.sh)")
     from models.registry import embedded_gguf
-    from tools.peers import PeerError, make_peers
+    from runtime.peers import PeerError, make_peers
     gen = runtime.load(smollm2_artifact)
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     gguf = embedded_gguf()

@@ -27,7 +27,7 @@ pytest.importorskip("prometheus_client", reason="the server needs the serve extr
 httpx = pytest.importorskip("httpx", reason="the load tests need httpx: bash ci/install_serve.sh")
 
 import runtime  # noqa: E402
-from tools.load_bench import stop  # noqa: E402
+from runtime.load_bench import stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_SECONDS = float(os.environ.get("EAGLE2_SERVE_LOAD_SECONDS", "8"))   # bounded: the load runs this long

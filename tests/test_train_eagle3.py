@@ -1,4 +1,4 @@
-"""`python -m models.train_head --arch eagle3` on the tiny random Llama: features from three base
+"""`python -m training.train_head --arch eagle3` on the tiny random Llama: features from three base
 layers, a short run that lowers the loss, the official EAGLE-3 layout, and the trained head
 exported and run losslessly."""
 import json
@@ -13,7 +13,8 @@ from models.llama import base_features, causal_bias, eagle3_layers
 from models.registry import load_checkpoint
 from models.tiny import tiny_checkpoint
 from models.weights import load_head
-from training.train_head import base_hidden, build_base, main
+from training.features import base_hidden, build_base
+from training.train_head import main
 from training.unroll import new_cache
 from test_train_head import write_conversations
 

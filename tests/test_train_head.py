@@ -11,8 +11,12 @@ from models.llama import EagleHead, causal_bias
 from models.tiny import randomize, tiny_checkpoint
 from models.train_data import Conversation, encode, iter_json_array, normalize, is_dev
 from models.weights import head_tensor_shapes, load_head
-from training.train_head import (Batch, ShardRows, base_hidden, build_base, generate_batch, head_config, load_splits,
-                                 main, read_replies, replies_file, save_shard)
+from training.batches import Batch
+from training.cache import ShardRows, load_splits, save_shard
+from training.features import base_hidden, build_base, generate_batch
+from training.heads import head_config
+from training.replies import read_replies, replies_file
+from training.train_head import main
 from training.unroll import new_cache, unrolled_forward
 
 WORDS = ("the cat sat on a mat and then it ran to the big red house where many dogs live happily ever "
@@ -135,7 +139,8 @@ def test_snapshots_and_their_tau_curve(tmp_path):
 
 
 def test_schedule_and_batches():
-    from training.train_head import epoch_batches, lr_at
+    from training.batches import epoch_batches
+    from training.loop import lr_at
     assert lr_at(0.0, 0.05, 1e-3) > 0
     assert lr_at(0.05, 0.05, 1e-3) == pytest.approx(1e-3)
     assert lr_at(1.0, 0.05, 1e-3) == pytest.approx(1e-4)
@@ -162,7 +167,7 @@ def test_time_budget_keeps_what_fits(tmp_path):
 def test_more_data_reuses_cached_features_and_init_starts_from_a_head(tmp_path, monkeypatch):
     # Prompts are length-sorted within pools; the first run's 8 prompts fill one whole pool, so
     # the second run's 16 keep them first.
-    monkeypatch.setattr("training.train_head.DISTILL_POOL", 8)
+    monkeypatch.setattr("training.features.DISTILL_POOL", 8)
     data = write_conversations(tmp_path / "convs.jsonl", n=40)
     out = tmp_path / "head"
     common = ["--base", "tiny-llama", "--out", str(out), "--data", str(data), "--max-len", "160",
@@ -223,6 +228,7 @@ def test_replies_made_by_the_engine_train_a_head(tmp_path, capsys):
     from export.onnx_export import export_onnx
     from models.registry import load_checkpoint
     from training import distill
+    from training.replies import read
     data = write_conversations(tmp_path / "convs.jsonl", n=30)
     artifact = tmp_path / "tiny"
     export_onnx(load_checkpoint("tiny-llama"), artifact, "fp32", 256, verify=False, log=lambda m: None)
@@ -231,7 +237,7 @@ def test_replies_made_by_the_engine_train_a_head(tmp_path, capsys):
             "--chunk", "4"]
     assert distill.main(args + ["--n", "4"]) == 0
     assert distill.main(args + ["--n", "9"]) == 0  # continues after the first four
-    r = distill.read(out)
+    r = read(out)
     assert len(r["replies"]) == 9 and r["manifest"]["replies"] == 9 and r["manifest"]["precision"] == "fp32"
     assert not any(is_dev(c, 2.0) for c in r["conversation_ids"])
     gen = runtime.load(artifact)
@@ -261,6 +267,7 @@ def test_longer_prompts_are_taken_apart_from_those_an_earlier_file_took(tmp_path
     from export.onnx_export import export_onnx
     from models.registry import load_checkpoint
     from training import distill
+    from training.replies import read, write
     data = write_conversations(tmp_path / "convs.jsonl", n=30)
     artifact = tmp_path / "tiny"
     export_onnx(load_checkpoint("tiny-llama"), artifact, "fp32", 256, verify=False, log=lambda m: None)
@@ -275,16 +282,16 @@ def test_longer_prompts_are_taken_apart_from_those_an_earlier_file_took(tmp_path
     common = [str(artifact), "--data", str(data), "--max-new-tokens", "6", "--parallel", "2", "--chunk", "2"]
     out = tmp_path / "long.npz"
     assert distill.main(common + ["--out", str(out), "--min-prompt", str(cut), "--n", "2"]) == 0
-    r = distill.read(out)
+    r = read(out)
     assert r["conversation_ids"] == [c for c, _ in longer[:2]] and r["manifest"]["min_prompt"] == cut
     # A file from before --min-prompt: its manifest has no such entry, and it goes on without one.
     old = tmp_path / "old.npz"
     assert distill.main(common + ["--out", str(old), "--n", "2"]) == 0
-    r = distill.read(old)
-    distill.write(old, {k: v for k, v in r["manifest"].items() if k != "min_prompt"}, r["conversation_ids"],
-                  r["prompts"], r["replies"])
+    r = read(old)
+    write(old, {k: v for k, v in r["manifest"].items() if k != "min_prompt"}, r["conversation_ids"],
+          r["prompts"], r["replies"])
     assert distill.main(common + ["--out", str(old), "--n", "3"]) == 0
-    assert len(distill.read(old)["replies"]) == 3
+    assert len(read(old)["replies"]) == 3
     assert json.loads(old.with_suffix(".json").read_text())["min_prompt"] == 0
 
 
@@ -297,6 +304,7 @@ def test_second_turns_continue_the_conversations_after_the_first_replies(tmp_pat
     from models.registry import load_checkpoint
     from models.train_data import first_turn, read_conversations
     from training import distill
+    from training.replies import FORMAT, read, write
     data = write_conversations(tmp_path / "convs.jsonl", n=16)
     artifact = tmp_path / "tiny"
     export_onnx(load_checkpoint("tiny-llama"), artifact, "fp32", 512, verify=False, log=lambda m: None)
@@ -306,13 +314,13 @@ def test_second_turns_continue_the_conversations_after_the_first_replies(tmp_pat
     stop = gen.manifest["stop_token_ids"][0]
     replies = [answer + [stop] if k % 3 else answer for k in range(len(firsts))]  # every third one cut short
     first = tmp_path / "first.npz"
-    distill.write(first, {"format": distill.FORMAT, "vocab_size": gen.manifest["model"]["config"]["vocab_size"],
-                          "artifact_sha256": gen.manifest["files"]["weights.bin"]},
-                  [c for c, _ in firsts], [q for _, q in firsts], replies)
+    write(first, {"format": FORMAT, "vocab_size": gen.manifest["model"]["config"]["vocab_size"],
+                  "artifact_sha256": gen.manifest["files"]["weights.bin"]},
+          [c for c, _ in firsts], [q for _, q in firsts], replies)
     second = tmp_path / "second.npz"
     assert distill.main([str(artifact), "--out", str(second), "--data", str(data), "--after", str(first), "--n", "10",
                          "--max-new-tokens", "8", "--parallel", "2", "--max-prompt", "512"]) == 0
-    r = distill.read(second)
+    r = read(second)
     assert r["conversation_ids"] == [c for k, (c, _) in enumerate(firsts) if k % 3]
     assert r["manifest"]["after"] == "first.npz" and "second user turn" in r["manifest"]["prompts"]
     convs = {c.id: c for c in read_conversations(str(data))}
@@ -359,9 +367,9 @@ def test_committed_replies_match_their_manifest(name):
     conversations only, prompts within its lengths, token ids of the base's vocabulary."""
     from pathlib import Path
 
-    from training import distill
+    from training.replies import read
     path = Path(__file__).parents[1] / "models" / "heads" / "smollm2-135m" / name
-    r = distill.read(path)
+    r = read(path)
     m = r["manifest"]
     assert len(r["replies"]) == len(r["prompts"]) == len(r["conversation_ids"]) == m["replies"]
     assert sum(map(len, r["replies"])) == m["reply_tokens"]

@@ -1,7 +1,7 @@
 """Acceptance (tau: tokens per verify cycle, bonus token included) of artifacts' heads by prompt
 category, greedy, on the replies the base really gives (generation ends at its stop tokens).
 
-    python -m runtime.acceptance ARTIFACT [ARTIFACT ...] [--prompts mtbench,gsm8k:40]
+    python -m tools.acceptance ARTIFACT [ARTIFACT ...] [--prompts mtbench,gsm8k:40]
                                  [--trees 60/5/10,tuned] [--max-new-tokens 128] [--report tau.md] [--json tau.json]
 
 Tau does not depend on the machine or its load (greedy acceptance is a property of the head and
@@ -19,10 +19,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 import runtime
+from runtime.bench import parse_trees
 from runtime.generation import as_tree, tree_label
 from runtime.prompts import load_prompts
-
-from .bench import parse_trees
 
 
 def measure(path: str, provider: str, prompt_sets: list[str], tree_spec: str, max_new: int,
@@ -74,7 +73,7 @@ def publish(report: str, payload: dict, report_path: str | None, json_path: str 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.acceptance", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.acceptance", description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", nargs="+")
     p.add_argument("--provider", default="cpu")
     p.add_argument("--prompts", default="mtbench", help="comma-separated prompt sets: builtin, mtbench[:K], "
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     results = {path: measure(path, a.provider, a.prompts.split(","), a.trees, a.max_new_tokens, a.threads)
                for path in a.artifacts}
     header = (f"tau by category ({a.prompts}, first turns, up to {a.max_new_tokens} new tokens, greedy); "
-              f"python -m runtime.acceptance {' '.join(argv if argv is not None else sys.argv[1:])}")
+              f"python -m tools.acceptance {' '.join(argv if argv is not None else sys.argv[1:])}")
     publish(markdown(results, header), {"header": header, "results": results}, a.report, a.json)
     return 0
 

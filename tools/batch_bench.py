@@ -2,10 +2,10 @@
 after another, in one run on one machine: generated tokens per second of wall time by concurrency,
 with and without a row budget shared across the batch, each reply checked equal to its reply alone.
 
-    python -m runtime.batch_bench ARTIFACT [--prompts mtbench:2] [--concurrency 1,2,4,8]
+    python -m tools.batch_bench ARTIFACT [--prompts mtbench:2] [--concurrency 1,2,4,8]
                                   [--row-budgets none,16,32] [--plain-from tuned,1] [--fit-slack 128,never]
                                   [--max-new-tokens 96] [--json out.json]
-    python -m runtime.batch_bench ARTIFACT --capacities 64,128,256,512 [--concurrency 1,16]
+    python -m tools.batch_bench ARTIFACT --capacities 64,128,256,512 [--concurrency 1,16]
 
 Concurrency c keeps c requests in flight (c client threads) on one Generator loaded with
 parallel = the largest c; "one at a time" is the same requests through generate() on a Generator
@@ -152,7 +152,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.batch_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.batch_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("artifact")
     p.add_argument("--prompts", default="mtbench:2", help="a prompt set (runtime/prompts.py)")
     p.add_argument("--concurrency", default="1,2,4,8", help="requests in flight, comma-separated")

@@ -1,6 +1,6 @@
 """The torch backend on a device, checked and measured in one run (ci/gpu_check.sh on a GPU machine).
 
-    python -m runtime.gpu_check [--device cuda|cpu] [--quick] [--out DIR] [--precision fp16] [--tau FILE]
+    python -m tools.gpu_check [--device cuda|cpu] [--quick] [--out DIR] [--precision fp16] [--tau FILE]
 
 Exports --target torch artifacts into a temporary directory: tiny-llama, tiny-qwen2, the 24-token
 tiny Llama of the sampling tests and, without --quick, random models of SmolLM2-135M's and
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     import torch
 
     from .projection import tau_file
-    p = argparse.ArgumentParser(prog="python -m runtime.gpu_check")
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_check")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny models only, fewer samples and repetitions")
     p.add_argument("--precision", default="fp16", choices=sorted(TIE))

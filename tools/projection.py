@@ -8,7 +8,7 @@ model of SmolLM2's shape (tools/gpu_check.py), projects tokens/s = tau / (verify
 per cycle. A projection, and labelled so wherever it is shown: nothing decodes with the real head on
 the GPU.
 
-    python -m runtime.projection ARTIFACT [--out FILE]   # re-measure tau (a SmolLM2-135M artifact, CPU)
+    python -m tools.projection ARTIFACT [--out FILE]   # re-measure tau (a SmolLM2-135M artifact, CPU)
 
 Large models (docs/large-models.md): a random-weight checkpoint measures what a tree costs at its
 size (runtime tune --costs-only), but not what a tree lands. Published acceptance gives that, for
@@ -18,7 +18,7 @@ rank-r candidate with probability q1 * beta^(r - 1) at every node, the shape bet
 shipped SmolLM2 head's measured curves (which the model must reproduce: fit_rank_model reports
 its error), q1 to the published figure.
 
-    python -m runtime.projection --costs COSTS.json[,COSTS2.json] --report FILE.md [--json FILE.json]
+    python -m tools.projection --costs COSTS.json[,COSTS2.json] --report FILE.md [--json FILE.json]
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def projection_report(p: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.projection")
+    p = argparse.ArgumentParser(prog="python -m tools.projection")
     p.add_argument("artifact", nargs="?", help="SmolLM2-135M with its shipped head (python -m export smollm2-135m): "
                    "re-measure its tau")
     p.add_argument("--out", help="default: the shipped head's tau_greedy.json")

@@ -1,4 +1,4 @@
-"""Tau of a training run's head snapshots (python -m models.train_head --snapshots N) by prompt
+"""Tau of a training run's head snapshots (python -m training.train_head --snapshots N) by prompt
 category, against the tokens each had trained on: a Markdown table, the sums as JSON and a plot.
 
     python -m tools.tau_curve RUN_DIR --base smollm2-135m [--precision w8a8] [--prompts mtbench:5,gsm8k:10]

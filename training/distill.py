@@ -1,6 +1,6 @@
 """Self-distilled replies made by the ONNX Runtime engine, many generations side by side, into a
 compact file that is committed with the project, so that a new machine trains on them without
-regenerating them (python -m models.train_head --replies FILE).
+regenerating them (python -m training.train_head --replies FILE).
 
     python -m training.distill ARTIFACT --out FILE.npz [--data sharegpt] [--skip 0] [--n 3000]
         [--max-new-tokens 128] [--parallel 16] [--min-prompt 0] [--max-prompt 256] [--after FIRST.npz]
@@ -23,8 +23,6 @@ run continues where it stopped when started again with the same settings.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-FORMAT = "eagle2-distilled-replies"
+from .replies import FORMAT, read, write
+
 SETTINGS = ("data", "skip", "max_new_tokens", "min_prompt", "max_prompt", "artifact_sha256", "after")
 # Settings added after files were made: the value those files were made with.
 SETTING_DEFAULTS = {"min_prompt": 0}
@@ -80,7 +79,7 @@ def against_torch(gen, base_name: str, todo: list, max_new: int, batch: int) -> 
     import torch
 
     from models.registry import load_checkpoint
-    from training.train_head import build_base, generate_batch
+    from training.features import build_base, generate_batch
     ckpt = load_checkpoint(base_name, no_head=True)
     base = build_base(ckpt, max(len(q) for _, q in todo) + max_new + 8, torch.device("cpu"))
     t0 = time.perf_counter()
@@ -96,34 +95,6 @@ def against_torch(gen, base_name: str, todo: list, max_new: int, batch: int) -> 
     return {"prompts": len(todo), "torch_loop_tokens_per_s": sum(map(len, loop)) / loop_s,
             "engine_tokens_per_s": sum(map(len, engine)) / engine_s,
             "same_replies": sum(a == b for a, b in zip(loop, engine))}
-
-
-def read(path: Path) -> dict:
-    """A replies file: {"manifest", "conversation_ids", "prompts", "replies"} (lists of id lists)."""
-    with np.load(path, allow_pickle=False) as f:
-        manifest = json.loads(str(f["manifest"]))
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a replies file of this project (format {manifest.get('format')!r})")
-
-        def unflatten(name):
-            ends = np.cumsum(f[f"{name}_lengths"])
-            return [a.astype(np.int64).tolist() for a in np.split(f[f"{name}_ids"], ends[:-1])] if len(ends) else []
-        return {"manifest": manifest, "conversation_ids": f["conversation_ids"].tolist(),
-                "prompts": unflatten("prompt"), "replies": unflatten("reply")}
-
-
-def write(path: Path, manifest: dict, ids: list[str], prompt: list[list[int]], reply: list[list[int]]) -> None:
-    """Atomically: the .npz, then its manifest beside it."""
-    dtype = np.uint16 if manifest["vocab_size"] <= 1 << 16 else np.int32
-
-    def flat(seqs):
-        return np.asarray([t for s in seqs for t in s], dtype), np.asarray([len(s) for s in seqs], np.int32)
-    (p_ids, p_len), (r_ids, r_len) = flat(prompt), flat(reply)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, manifest=np.asarray(json.dumps(manifest)), conversation_ids=np.asarray(ids, dtype=str),
-                        prompt_ids=p_ids, prompt_lengths=p_len, reply_ids=r_ids, reply_lengths=r_len)
-    os.replace(tmp, path)
-    path.with_suffix(".json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def main(argv=None) -> int:

@@ -55,7 +55,7 @@ def new_eagle3_head(base: ModelConfig, base_state: dict, counts: np.ndarray, dra
 
 def eagle3_losses(head: Eagle3Head, emb: torch.Tensor, lm: torch.Tensor, batch, generator,
                   ce_fraction: float, unroll: int) -> dict:
-    """Loss and metrics on one batch (the keys training.train_head.head_losses returns; vloss is 0).
+    """Loss and metrics on one batch (the keys training.losses.head_losses returns; vloss is 0).
     acc is the share of trained positions where the draft's top token (mapped to base ids) is the
     base's top token, counted over all trained positions, also those whose top token lies outside
     the draft vocabulary: it is the acceptance a depth-1 draft would see."""

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import uvicorn
 
-from export.artifact import ArtifactError, read_manifest
+from artifact.manifest import ArtifactError, read_manifest
 
-from ..batch import can_batch
-from ..session import ProviderError
+from ..backend import ProviderError
+from ..providers import can_batch
 from .app import ServerState, create_app
 from .pool import load_pool
 
@@ -127,8 +127,12 @@ def main(argv=None) -> int:
     except ArtifactError as e:
         print(f"error: {e}", flush=True)
         return 1
-    if a.parallel is None:
-        a.parallel = DEFAULT_PARALLEL if a.workers == 1 and can_batch(manifest, a.provider) else 1
+    try:
+        if a.parallel is None:
+            a.parallel = DEFAULT_PARALLEL if a.workers == 1 and can_batch(manifest, a.provider) else 1
+    except ProviderError as e:
+        print(f"error: {e}", flush=True)
+        return 1
     if a.ray:
         try:
             from .ray import deployment_options, main as ray_main

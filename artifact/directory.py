@@ -1,33 +1,12 @@
-"""The artifact directory: atomic creation, manifest, checksums.
-
-Layout:
-    base.onnx, draft.onnx   graphs (draft only when a head was exported)
-    weights.bin             every weight of both graphs, once (ONNX external data)
-    tokenizer/              tokenizer.json, tokenizer_config.json, chat_template.jinja
-    manifest.json           what the runtime needs to check and drive the graphs
-"""
+"""The artifact directory, created atomically: a failed or interrupted export leaves nothing."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from pathlib import Path
 
-from models.checksums import sha256
-
-FORMAT = "eagle2-onnx"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class ArtifactError(ValueError):
-    """A missing, broken or incompatible artifact directory."""
-
-
-def checksums(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != MANIFEST}
+from .manifest import MANIFEST, ArtifactError
 
 
 def check_output(final: Path, overwrite: bool = False) -> Path:
@@ -84,32 +63,3 @@ def atomic_directory(final: Path, overwrite: bool = False):
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-
-
-def write_manifest(root: Path, manifest: dict) -> None:
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": checksums(root)}
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def read_manifest(root: Path, verify_checksums: bool = True) -> dict:
-    """Load and check an artifact's manifest: format, version, presence and sha256 of every file."""
-    root = Path(root)
-    path = root / MANIFEST
-    if not path.is_file():
-        raise ArtifactError(f"{root} is not an artifact directory (no {MANIFEST}); create one with python -m export")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path} is corrupt: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: format {manifest.get('format')!r} is not {FORMAT!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format version {manifest.get('format_version')} is not supported "
-                            f"(this runtime reads version {FORMAT_VERSION}); re-export the model")
-    for name, digest in manifest.get("files", {}).items():
-        f = root / name
-        if not f.is_file():
-            raise ArtifactError(f"artifact {root} is missing {name}")
-        if verify_checksums and sha256(f) != digest:
-            raise ArtifactError(f"artifact {root}: checksum mismatch for {name} (file changed or corrupt)")
-    return manifest

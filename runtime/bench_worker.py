@@ -1,4 +1,4 @@
-"""The configurations of one artifact, decoded in this process on request of a `tools.bench` run in
+"""The configurations of one artifact, decoded in this process on request of a `runtime.bench` run in
 another Python environment.
 
 IPEX pins torch 2.8 and onnxruntime-openvino replaces onnxruntime, so they live in environments of
