@@ -16,6 +16,7 @@ from models.weights import WeightsError
 
 from .common import DEFAULT_DRAFT_VOCAB, ExportError, choose_draft_vocab
 from .onnx_graph import ATTENTIONS, INT8_BLOCK, INT8_BLOCKS
+from .quality import MIN_AGREEMENT, QualityError
 from .targets import Options, target
 from .verify import ParityError
 
@@ -47,7 +48,11 @@ def parser() -> argparse.ArgumentParser:
                    help="the draft ranks only the N most frequent reply tokens (verification keeps the whole "
                    f"vocabulary; 0 = all tokens; default {DEFAULT_DRAFT_VOCAB})")
     p.add_argument("--max-length", type=int, help="KV cache length / longest sequence (default 2048)")
-    p.add_argument("--no-verify", action="store_true", help="skip the parity check against PyTorch")
+    p.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT, metavar="A",
+                   help="quality gate: the least top-1 agreement with the fp32 checkpoint, teacher-forced on the "
+                   f"calibration chats (default {MIN_AGREEMENT}; 0 = record it only). Below it an asked-for "
+                   "precision is refused and the default falls back to a safer layout")
+    p.add_argument("--no-verify", action="store_true", help="skip the parity check against PyTorch and the quality gate")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     p.add_argument("--list", action="store_true", help="print the aliases and exit")
     return p
@@ -56,6 +61,23 @@ def parser() -> argparse.ArgumentParser:
 def default_out(model: str, precision: str, target_name: str = "onnx") -> Path:
     name = model if model in ALIASES else Path(model.rstrip("/")).name.removesuffix(".gguf").replace("/", "--")
     return target(target_name).out(name, precision)
+
+
+def export_gated(chosen, ckpt, out: Path, precision: str, options: Options, fall_back: bool, log) -> tuple[str, dict]:
+    """Export; where the quality gate refuses the layout, fall back to the next safer one if the
+    precision was the default (`fall_back`), else refuse naming it."""
+    while True:
+        try:
+            return precision, chosen.export(ckpt, out, precision, options, log)
+        except QualityError as e:
+            safer = chosen.safer(precision, options)
+            if safer is None:
+                raise
+            if not fall_back:
+                raise QualityError(f"{e}; export {chosen.layout(*safer)}, or keep this one with --min-agreement "
+                                   f"{int(e.agreement * 100) / 100}", e.agreement) from None
+            log(f"{e}: falling back to {chosen.layout(*safer)}")
+            precision, options = safer
 
 
 def main(argv=None) -> int:
@@ -71,8 +93,10 @@ def main(argv=None) -> int:
         chosen = target(args.target)
         precision = chosen.precision(args.precision, log)
         options = Options(args.max_length, verify=not args.no_verify, overwrite=args.force,
-                          draft_precision=args.draft_precision, attention=args.attention, int8_block=args.int8_block)
+                          draft_precision=args.draft_precision, attention=args.attention, int8_block=args.int8_block,
+                          min_agreement=args.min_agreement)
         chosen.check_options(options)
+        chosen.check_cpu(precision, args.draft_precision)
         chosen.prepare()
         out = args.out or default_out(args.model, precision, chosen.name)
         check_output(out, args.force)
@@ -80,7 +104,7 @@ def main(argv=None) -> int:
         print(f"loading {args.model} ...", file=sys.stderr)
         ckpt = load_checkpoint(args.model, head=args.head, no_head=args.no_head)
         options = dataclasses.replace(options, draft_vocab=choose_draft_vocab(ckpt, args.draft_vocab))
-        manifest = chosen.export(ckpt, out, precision, options, log)
+        precision, manifest = export_gated(chosen, ckpt, out, precision, options, args.precision is None, log)
     except (WeightsError, UnsupportedModelError, ArtifactError, ExportError, ParityError, DataError,
             GGUFBlocksError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from artifact.manifest import write_manifest
@@ -114,9 +115,10 @@ def draft_vocab_entry(ckpt: Checkpoint, vocab: DraftVocab | None) -> dict | None
 
 
 def finish_manifest(tmp: Path, manifest: dict, ckpt: Checkpoint, draft_vocab: DraftVocab | None, verify: bool,
-                    start: float, log) -> None:
-    """The end every exporter shares: the parity check against the PyTorch definitions (recorded in
-    the manifest), the export time, then the manifest with its checksums."""
+                    start: float, log, gate: Callable[[], dict]) -> None:
+    """The end every exporter shares: the parity check against the PyTorch definitions, then the
+    quality gate (export.quality: `gate` measures it), both recorded in the manifest, the export
+    time, then the manifest with its checksums."""
     if verify:
         from .verify import TOLERANCE, check_parity
         diffs = check_parity(tmp, manifest, ckpt.cfg, ckpt.state, ckpt.head_cfg, ckpt.head_state,
@@ -128,5 +130,6 @@ def finish_manifest(tmp: Path, manifest: dict, ckpt: Checkpoint, draft_vocab: Dr
         if rounding > TOLERANCE[manifest["precision"]]:
             log(f"note: rounding the activations to 8 bits alone changes this model's logits by {rounding:.3f} of "
                 "their largest (w8a8's parity bound follows it); compare its replies with --precision int8's")
+        manifest["quality"] = gate()
     manifest["export_seconds"] = round(time.time() - start, 1)
     write_manifest(tmp, manifest)

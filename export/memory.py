@@ -66,10 +66,10 @@ def fp32_model_bytes(ckpt: Checkpoint) -> int:
     return 4 * sum(prod(s) for s in _shapes(ckpt).values())
 
 
-def resident_calibration(ckpt: Checkpoint, precision: str, verify: bool) -> bool:
+def resident_calibration(ckpt: Checkpoint, target: str, precision: str, verify: bool) -> bool:
     """Whether w8a8's calibration may hold the whole fp32 model: only where that stays within the
     export's estimated peak anyway (small models), so that no export exceeds its estimate."""
-    return BASE_BYTES + fp32_model_bytes(ckpt) <= estimate(ckpt, "onnx", precision, verify).peak
+    return BASE_BYTES + fp32_model_bytes(ckpt) <= estimate(ckpt, target, precision, verify).peak
 
 
 def available_memory() -> int:

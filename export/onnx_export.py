@@ -21,6 +21,7 @@ from models.weights import Checkpoint
 
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
                      finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
+from .quality import MIN_AGREEMENT, check_quality
 from .memory import check_memory, resident_calibration
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS,
                          build_base, build_draft, build_draft_eagle3, lm_head_name)
@@ -45,9 +46,10 @@ def graph_spec(model: onnx.ModelProto, file: str) -> dict:
 def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length: int | None = None,
                 verify: bool = True, overwrite: bool = False, log=print, draft_precision: str | None = None,
                 attention: str | None = None, draft_vocab: DraftVocab | None = None,
-                int8_block: int = INT8_BLOCK) -> dict:
+                int8_block: int = INT8_BLOCK, min_agreement: float = MIN_AGREEMENT) -> dict:
     """`draft_vocab`: the head drafts from these tokens only (models/draft_vocab.py); None = all.
     `int8_block`: the block size of int8 weights (base and draft), one of INT8_BLOCKS.
+    `min_agreement`: the quality gate's threshold (export.quality).
 
     Streams: tensors are read, converted and appended to weights.bin one at a time, so memory
     stays near one layer's fp32 weights beside the embedding, whatever the model's size
@@ -64,7 +66,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     start = time.time()
     state, smoothing = fp32_arrays(ckpt.state), None
     if precision == "w8a8":
-        state, smoothing = _smoothed(cfg, state, ckpt.tokenizer, resident_calibration(ckpt, precision, verify))
+        state, smoothing = _smoothed(cfg, state, ckpt.tokenizer, resident_calibration(ckpt, "onnx", precision, verify))
         # the parity check compares the graphs with the weights they hold: the smoothed ones
         ckpt = dataclasses.replace(ckpt, state=LazyTensors(state.keys(), lambda k: torch.from_numpy(state[k])))
     with atomic_directory(out, overwrite) as tmp:
@@ -102,7 +104,8 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "tokenizer": "tokenizer",
             "versions": versions(),
         }
-        finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log)
+        finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log,
+                        gate=lambda: check_quality(tmp, manifest, ckpt, min_agreement, log))
     return json.loads((out / "manifest.json").read_text())
 
 

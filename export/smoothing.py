@@ -88,6 +88,30 @@ SMOOTHED = ("q_proj", "gate_proj", "down_proj")
 REPLY_TOKENS = 48
 
 
+def resident_model(cfg: ModelConfig, state: Mapping, n_positions: int) -> CausalLM:
+    """The whole model in fp32, its weights taken from `state` without a random initialisation first."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, n_positions=n_positions).eval()
+    model.load_state_dict({k: torch.as_tensor(state[k]).float() for k in state}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:  # assign replaced the embedding the lm_head was tied to
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@torch.no_grad()
+def greedy_reply(model: CausalLM, cfg: ModelConfig, ids: list[int], n: int, stop: frozenset[int] = frozenset()) -> list[int]:
+    """The model's greedy continuation of `ids`: n tokens, or up to and including a `stop` token."""
+    cache = KVCache(cfg, len(ids) + n)
+    x, start, reply = torch.tensor([ids]), 0, []
+    while len(reply) < n and not (reply and reply[-1] in stop):
+        t = x.shape[1]
+        logits, _ = model(x, torch.arange(start, start + t)[None], causal_bias(t, start), cache, start)
+        start += t
+        x = logits[:, -1:].argmax(-1)
+        reply.append(int(x))
+    return reply
+
+
 class _Maxima:
     """Per-channel max |input| of the SMOOTHED modules, recorded by forward pre-hooks."""
 
@@ -123,21 +147,11 @@ def activation_maxima(cfg: ModelConfig, state: Mapping[str, np.ndarray], tokeniz
     maxima = _Maxima()
     if resident:
         prompts = calibration_ids(tokenizer, replies=False)
-        with torch.device("meta"):
-            model = CausalLM(cfg, n_positions=max(map(len, prompts)) + REPLY_TOKENS).eval()
-        model.load_state_dict({k: torch.as_tensor(state[k]) for k in state}, strict=False, assign=True)
-        if cfg.tie_word_embeddings:  # assign replaced the embedding the lm_head was tied to
-            model.lm_head.weight = model.model.embed_tokens.weight
+        model = resident_model(cfg, state, max(map(len, prompts)) + REPLY_TOKENS)
         for i, layer in enumerate(model.model.layers):
             maxima.watch(i, layer)
         for ids in tqdm(prompts, desc="SmoothQuant calibration", unit="prompt", file=sys.stderr):
-            cache = KVCache(cfg, len(ids) + REPLY_TOKENS)
-            x, start = torch.tensor([ids]), 0
-            for _ in range(REPLY_TOKENS):
-                t = x.shape[1]
-                logits, _ = model(x, torch.arange(start, start + t)[None], causal_bias(t, start), cache, start)
-                start += t
-                x = logits[:, -1:].argmax(-1)
+            greedy_reply(model, cfg, ids, REPLY_TOKENS)
         return maxima.arrays(), f"{len(CALIBRATION)} built-in chat prompts and the model's greedy replies " \
                                 f"({REPLY_TOKENS} tokens each)"
     sequences = calibration_ids(tokenizer, replies=True)

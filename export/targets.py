@@ -4,16 +4,18 @@ chooses one and asks it; nothing else compares target names."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from models.cpu import bf16_matmuls, cpu_flags, int8_dot_products
 from models.draft_vocab import DraftVocab
 from models.weights import Checkpoint
 
 from .common import PORTABLE_PRECISION, ExportError, default_precision
+from .quality import MIN_AGREEMENT
 from .onnx_export import export_onnx
-from .onnx_graph import INT8_BLOCK, PRECISIONS
-from .torch_export import PRECISIONS as TORCH_PRECISIONS, export_torch, import_ipex
+from .onnx_graph import INT8_BLOCK, INT8_BLOCKS, PRECISIONS
+from .torch_export import PRECISIONS as TORCH_PRECISIONS, export_torch, import_ipex, ipex_bf16_supported
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class Options:
     draft_vocab: DraftVocab | None = None
     attention: str | None = None   # onnx only
     int8_block: int = INT8_BLOCK   # onnx only
+    min_agreement: float = MIN_AGREEMENT  # the quality gate's threshold (export.quality)
 
 
 @dataclass(frozen=True)
@@ -35,18 +38,29 @@ class Target:
     default: Callable[[], str]          # the precision when none is given
     onnx_options: bool                  # whether --attention and --int8-block apply
     run: Callable[..., dict]            # (target, ckpt, out, precision, options, log) -> manifest
+    missing: Callable[[str], str | None]  # precision -> what this CPU lacks to run it exactly, or None
+    why_default: Callable[[str], str | None] = lambda precision: None  # said when the default is taken
+    # (precision, options) -> the next safer layout, or None: where the default fails the quality gate
+    safer: Callable[[str, Options], tuple[str, Options] | None] = lambda precision, options: None
     prepare: Callable[[], object] = lambda: None  # checks worth making before weights load (minutes)
 
     def precision(self, asked: str | None, log) -> str:
         """The precision to export: the one asked for, checked, or this target's default."""
         precision = asked or self.default()
-        if not asked and self.onnx_options and precision != PORTABLE_PRECISION:
-            log(f"precision {precision}: the default on this CPU (AMX int8 tiles); --precision int8 gives "
-                "an artifact every x86-64 CPU runs")
+        if not asked and self.why_default(precision):
+            log(f"precision {precision}: {self.why_default(precision)}")
         if precision not in self.precisions:
             raise ExportError(f"unsupported precision {precision!r} for --target {self.name}; "
                               f"choose one of {', '.join(self.precisions)}")
         return precision
+
+    def check_cpu(self, precision: str, draft_precision: str | None) -> None:
+        """Refuse, before anything loads, a precision this CPU cannot run exactly: the export would
+        otherwise take minutes and then fail its parity check, or give an artifact nothing here runs."""
+        for flag, asked in (("--precision", precision), ("--draft-precision", draft_precision)):
+            lacking = asked and self.missing(asked)
+            if lacking:
+                raise ExportError(f"{flag} {asked}: {lacking}")
 
     def check_options(self, options: Options) -> None:
         if not self.onnx_options and (options.attention or options.int8_block != INT8_BLOCK):
@@ -67,24 +81,80 @@ class Target:
     def export(self, ckpt: Checkpoint, out: Path, precision: str, options: Options, log) -> dict:
         return self.run(self, ckpt, out, precision, options, log)
 
+    def layout(self, precision: str, options: Options) -> str:
+        block = self.onnx_options and precision == "int8" and options.int8_block != INT8_BLOCK
+        return f"--precision {precision}" + (f" --int8-block {options.int8_block}" if block else "")
+
 
 def _export_onnx(target: Target, ckpt: Checkpoint, out: Path, precision: str, o: Options, log) -> dict:
     return export_onnx(ckpt, out, precision, o.max_length, verify=o.verify, overwrite=o.overwrite, log=log,
                        draft_precision=o.draft_precision, attention=o.attention, draft_vocab=o.draft_vocab,
-                       int8_block=o.int8_block)
+                       int8_block=o.int8_block, min_agreement=o.min_agreement)
 
 
 def _export_torch(target: Target, ckpt: Checkpoint, out: Path, precision: str, o: Options, log) -> dict:
     return export_torch(ckpt, out, target.name, precision, o.max_length, verify=o.verify, overwrite=o.overwrite,
-                        log=log, draft_vocab=o.draft_vocab, draft_precision=o.draft_precision)
+                        log=log, draft_vocab=o.draft_vocab, draft_precision=o.draft_precision,
+                        min_agreement=o.min_agreement)
+
+
+def _onnx_missing(precision: str) -> str | None:
+    if precision == "w8a8" and not int8_dot_products():
+        return ("8-bit activations times 8-bit weights need AVX512-VNNI, AVX-VNNI or AMX (without them the "
+                "integer kernels saturate), and this CPU has none of them; use --precision int8 (8-bit weights, "
+                "every x86-64 CPU)")
+    return None
+
+
+def _onnx_safer(precision: str, options: Options) -> tuple[str, Options] | None:
+    """w8a8, then int8 in blocks of 64, then of 32 (closer to the source weights), then fp32."""
+    if precision == "w8a8":
+        return "int8", replace(options, int8_block=INT8_BLOCK)
+    if precision == "int8" and options.int8_block > min(INT8_BLOCKS):
+        return "int8", replace(options, int8_block=max(b for b in INT8_BLOCKS if b < options.int8_block))
+    if precision == "int8":
+        return "fp32", options
+    return None
+
+
+def _torch_safer(precision: str, options: Options) -> tuple[str, Options] | None:
+    return None if precision == "fp32" else ("fp32", options)
+
+
+def _ipex_bf16() -> bool:
+    """IPEX's bf16 linears run (its prepacking asserts AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and multiply in
+    hardware (AVX512-BF16 or AMX): elsewhere bf16 is emulated, slower than fp32 and not claimed exact."""
+    return bf16_matmuls() and ipex_bf16_supported(cpu_flags())
+
+
+def _onnx_why_default(precision: str) -> str | None:
+    if precision != PORTABLE_PRECISION:
+        return "the default on this CPU (AMX int8 tiles); --precision int8 gives an artifact every x86-64 CPU runs"
+    return None
+
+
+def _ipex_why_default(precision: str) -> str | None:
+    if precision != "bf16":
+        return "the default on this CPU, which lacks what IPEX's bf16 needs (AVX512-BF16 or AMX)"
+    return None
+
+
+def _ipex_missing(precision: str) -> str | None:
+    if precision == "bf16" and not _ipex_bf16():
+        return ("IPEX's bf16 kernels need AVX512-BF16 or AMX (with AVX-512 BW/VL/DQ or AVX-NE-CONVERT), which "
+                "this CPU lacks; use --precision fp32 or int8 (weight-only), or an ONNX artifact")
+    return None
 
 
 TARGETS = {t.name: t for t in (
     # onnx: the fastest precision whose speculation is lossless on the CPU exporting (default_precision).
-    Target("onnx", PRECISIONS, default_precision, onnx_options=True, run=_export_onnx),
-    Target("ipex", TORCH_PRECISIONS["ipex"], lambda: "bf16", onnx_options=False, run=_export_torch,
+    Target("onnx", PRECISIONS, default_precision, onnx_options=True, run=_export_onnx, missing=_onnx_missing,
+           why_default=_onnx_why_default, safer=_onnx_safer),
+    Target("ipex", TORCH_PRECISIONS["ipex"], lambda: "bf16" if _ipex_bf16() else "fp32", onnx_options=False,
+           run=_export_torch, missing=_ipex_missing, why_default=_ipex_why_default, safer=_torch_safer,
            prepare=import_ipex),
-    Target("torch", TORCH_PRECISIONS["torch"], lambda: "fp32", onnx_options=False, run=_export_torch),
+    Target("torch", TORCH_PRECISIONS["torch"], lambda: "fp32", onnx_options=False, run=_export_torch,
+           missing=lambda precision: None, safer=_torch_safer),
 )}
 
 

@@ -24,6 +24,7 @@ from models.weights import Checkpoint
 
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, draft_vocab_entry, finish_manifest, head_entry,
                      save_tokenizer, stop_token_ids, versions)
+from .quality import MIN_AGREEMENT, check_quality
 from .torch_graph import MAX_K, BaseStep, DraftStep, Eagle3DraftStep
 
 PRECISIONS = {"ipex": ("fp32", "bf16", "int8"), "torch": ("fp32", "bf16", "fp16")}
@@ -149,9 +150,11 @@ def build_models(ckpt: Checkpoint, n_positions: int, draft_vocab: DraftVocab | N
 
 def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: str = "bf16",
                  max_length: int | None = None, verify: bool = True, overwrite: bool = False, log=print,
-                 draft_vocab: DraftVocab | None = None, draft_precision: str | None = None) -> dict:
+                 draft_vocab: DraftVocab | None = None, draft_precision: str | None = None,
+                 min_agreement: float = MIN_AGREEMENT) -> dict:
     """draft_precision: the draft graph's. It only proposes tokens, so a cheaper one cannot change the
-    output: IPEX's default is its weight-only int8, a faster draft (docs/code-notes.md); plain PyTorch's, the base's."""
+    output: IPEX's default is its weight-only int8, a faster draft (docs/code-notes.md); plain PyTorch's, the base's.
+    min_agreement: the quality gate's threshold (export.quality)."""
     if target not in PRECISIONS:
         raise ExportError(f"unsupported target {target!r} for the torch exporter")
     if precision not in PRECISIONS[target]:
@@ -209,5 +212,6 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
             "tokenizer": "tokenizer",
             "versions": versions(**ipex_version),
         }
-        finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log)
+        finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log,
+                        gate=lambda: check_quality(tmp, manifest, ckpt, min_agreement, log))
     return json.loads((out / "manifest.json").read_text())

@@ -56,7 +56,7 @@ def test_small_models_calibrate_on_their_own_replies():
     greedy replies, as before the exporter streamed (the same artifact, bitwise)."""
     from export.memory import resident_calibration
     from models.registry import load_checkpoint
-    assert resident_calibration(load_checkpoint("smollm2-135m"), "w8a8", verify=True)
+    assert resident_calibration(load_checkpoint("smollm2-135m"), "onnx", "w8a8", verify=True)
 
 
 def test_an_export_that_cannot_fit_says_so_before_starting(checkpoint, tmp_path, monkeypatch, export_cli):

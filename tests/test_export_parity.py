@@ -176,7 +176,7 @@ def test_w8a8_bound_follows_the_rounding_and_still_catches_wrong_weights(tiny_ar
     from models.tensors import fp32_arrays
     artifact = tiny_artifact("tiny-llama", "w8a8")
     ckpt = load_checkpoint("tiny-llama")
-    smoothed, _ = _smoothed(ckpt.cfg, fp32_arrays(ckpt.state), ckpt.tokenizer, resident_calibration(ckpt, "w8a8", True))
+    smoothed, _ = _smoothed(ckpt.cfg, fp32_arrays(ckpt.state), ckpt.tokenizer, resident_calibration(ckpt, "onnx", "w8a8", True))
     state = {k: torch.from_numpy(v) for k, v in smoothed.items()}
     monkeypatch.setitem(TOLERANCE, "w8a8", 1e-3)
     diffs = check_parity(artifact, read_manifest(artifact), ckpt.cfg, state, ckpt.head_cfg, ckpt.head_state)
