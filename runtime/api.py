@@ -1,6 +1,7 @@
 """Public API: runtime.load(artifact) -> Generator with generate / stream / chat / hf_generate."""
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
 from .providers import check_provider
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
 from .tuning import plain_from, read_tuning
+
+CANCEL_POLL_S = 0.05  # how often a generation waiting on the scheduler looks at its cancel event
 
 
 @dataclass
@@ -131,23 +134,32 @@ class Generator:
         if self.scheduler is not None:
             self.scheduler.stop()
 
-    def _run(self, prompt, settings: Settings):
+    def _run(self, prompt, settings: Settings, cancel: threading.Event | None = None):
         """A generator of (new token ids, decoder): the scheduler's when there is one (the generation
         is queued now), else one decoding in the caller's thread under the lock."""
         ids = self._prompt_ids(prompt)
         if self.scheduler is None:
             return self._run_alone(ids, settings)
-        return self._receive(self.scheduler.submit(ids, settings, self.stop_ids))
+        return self._receive(self.scheduler.submit(ids, settings, self.stop_ids), cancel)
 
-    @staticmethod
-    def _receive(request):
+    def _receive(self, request, cancel: threading.Event | None):
+        """The scheduler's items for `request`; `cancel` is watched also while it waits for a slot
+        or fills its prompt, when no item comes."""
         try:
-            while (item := request.tokens.get()) is not FINISHED:
+            while True:
+                try:
+                    item = request.tokens.get(timeout=CANCEL_POLL_S)
+                except queue.Empty:
+                    if cancel is not None and cancel.is_set():
+                        self.scheduler.cancel(request)
+                    continue
+                if item is FINISHED:
+                    return
                 if isinstance(item, Exception):
                     raise item
                 yield item, request.decoder
         finally:
-            request.cancel()  # no effect once it has ended; else it ends at its next step
+            self.scheduler.cancel(request)  # no effect once it has ended; else it ends at its next step
 
     def _run_alone(self, ids: list[int], settings: Settings):
         self._acquire()
@@ -161,6 +173,9 @@ class Generator:
     def _output(self, decoder: Decoder, token_ids: list[int], text: str, cycles: int) -> GenerationOutput:
         """`cycles`: the verify cycles whose tokens the caller took (a scheduler's decoder may have run
         one more before it saw a stop string's finish)."""
+        if decoder is None:  # cancelled while it waited for a slot: it never started
+            return GenerationOutput(text=text, token_ids=token_ids, finish_reason="cancelled", accept_lengths=[],
+                                    timings={})
         st = decoder.stats
         t = {}
         if self.scheduler is None:  # batched steps are shared: a generation's own share is not measured
@@ -228,7 +243,7 @@ class Generator:
                                   kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
-        return self._events(self._run(prompt, settings), stop, cancel)
+        return self._events(self._run(prompt, settings, cancel), stop, cancel)
 
     def _events(self, run, stop, cancel):
         text = StreamDecoder(self.tokenizer)

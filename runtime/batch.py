@@ -64,6 +64,10 @@ class Scheduler:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Set while the scheduler cannot be trusted to serve: a fault it could not clean up after
+        # (cleared by the next step that runs), or its thread's end. /health reports it.
+        self.fault: BaseException | None = None
+        self._dead = False  # the thread ended other than by stop()
         self.steps = 0
         self.rows = 0            # rows of all the base steps run
 
@@ -74,11 +78,25 @@ class Scheduler:
         check_request(self.engine, prompt, settings)
         request = Request(list(prompt), settings, stop_ids)
         with self._lock:
-            if self._stopping:
-                raise RuntimeError("the scheduler is stopped")
+            if self._stopping or self._dead:
+                raise RuntimeError(f"the scheduler is stopped{f': {self.fault}' if self.fault else ''}")
             self._waiting.append(request)
             self._lock.notify()
         return request
+
+    def cancel(self, request: Request) -> None:
+        """End a generation: at once while it waits for a slot, else at its next step (a prompt
+        chunk's, while its prompt is being filled)."""
+        with self._lock:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                request.tokens.put(FINISHED)
+                return
+        request.cancel()
+
+    @property
+    def healthy(self) -> bool:
+        return self.fault is None and not self._dead
 
     @property
     def load(self) -> tuple[int, int]:
@@ -89,7 +107,7 @@ class Scheduler:
     # --- the loop ---------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="eagle2-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._supervise, name="eagle2-scheduler", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -103,6 +121,21 @@ class Scheduler:
             self._thread.join()
             self._thread = None
 
+    def _supervise(self) -> None:
+        """The thread: the loop, and if anything ends it other than stop(), every generation it
+        held or queued fails with the reason rather than waiting forever, and submit() refuses."""
+        try:
+            self._loop()
+        except BaseException as e:
+            self.fault = e
+            log.critical("the scheduler's thread ended", exc_info=e)
+            with self._lock:
+                self._dead = True
+                held, self._waiting, self._active = self._waiting + self._active, [], []
+            for r in held:
+                r.tokens.put(RuntimeError(f"the scheduler stopped: {e!r}"))
+            raise
+
     def _loop(self) -> None:
         while True:
             with self._lock:
@@ -112,10 +145,20 @@ class Scheduler:
                     return
             try:
                 self.step()
+                self.fault = None
             except Exception as e:  # a fault of the scheduler itself: fail what it holds, keep serving
                 log.error("the scheduler's step failed", exc_info=e)
-                for r in list(self._active):
-                    self._end(r, e)
+                self._fail_active(e)
+
+    def _fail_active(self, e: Exception) -> None:
+        """Every generation in flight ends with `e`. Where freeing one's slot fails too, the engine's
+        state is unknown: the fault stands (unhealthy) until a step runs again."""
+        for r in list(self._active):
+            try:
+                self._end(r, e)
+            except Exception as again:
+                self.fault = again
+                log.error("freeing a failed generation's slot failed", exc_info=again)
 
     def step(self) -> None:
         """Admit what fits; then draft steps until every generation waits for the base (each draft
@@ -234,12 +277,15 @@ class Scheduler:
             self._end(r, e)
 
     def _end(self, r: Request, last) -> None:
-        r.pending = None
-        if r.steps is not None:
-            r.steps.close()
-        self.engine.close_sequence(r.decoder.seq)
-        with self._lock:
-            if r in self._active:
-                self._active.remove(r)
-        self.engine.fit()  # the next steps read no more cache than the open sequences need
-        r.tokens.put(last)
+        """r leaves, and its reader gets `last`, whatever freeing its slot raises (raised after)."""
+        try:
+            r.pending = None
+            if r.steps is not None:
+                r.steps.close()
+            self.engine.close_sequence(r.decoder.seq)
+            self.engine.fit()  # the next steps read no more cache than the open sequences need
+        finally:
+            with self._lock:
+                if r in self._active:
+                    self._active.remove(r)
+            r.tokens.put(last)

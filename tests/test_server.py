@@ -219,13 +219,15 @@ def test_stop_strings_cut_the_text(oai, ref, stream, as_list):
     assert eagle["tau"] == pytest.approx(want.mean_accept_length, abs=1e-3)
 
 
-def test_prompt_plus_max_tokens_beyond_the_cache_stops_at_length(url, ref):
+def test_a_reply_without_max_tokens_stops_at_the_cache(url, ref):
+    """No max_tokens: the default may not fit beside a long prompt; the reply fills the context and
+    ends there (a max_tokens that cannot fit is refused: test_max_tokens_beyond_context_names_the_numbers)."""
+    from runtime.serve.schema import DEFAULT_MAX_TOKENS
     prompt = "z" * (MAX_LENGTH - 20)
     ids = ref.tokenizer.encode(prompt)
-    assert len(ids) < MAX_LENGTH
-    want = ref.generate(prompt, max_new_tokens=200)
-    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 200, "temperature": 0},
-                   timeout=TIMEOUT)
+    assert len(ids) + DEFAULT_MAX_TOKENS > MAX_LENGTH
+    want = ref.generate(prompt, max_new_tokens=DEFAULT_MAX_TOKENS)
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "temperature": 0}, timeout=TIMEOUT)
     assert r.status_code == 200
     body = r.json()
     assert body["choices"][0]["text"] == want.text
@@ -235,6 +237,18 @@ def test_prompt_plus_max_tokens_beyond_the_cache_stops_at_length(url, ref):
 # ------------------------------------------------------------------------------------------------
 # Models, health, metrics, auth.
 # ------------------------------------------------------------------------------------------------
+
+def test_health_is_503_while_the_scheduler_is_unhealthy(live):
+    """The fault is the scheduler's own record (runtime/batch.py; its paths: test_runtime_scheduler_faults.py)."""
+    url, pool, _ = live
+    pool.scheduler.fault = RuntimeError("freeing a slot failed")
+    try:
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "unhealthy" and "freeing a slot" in r.json()["error"]
+    finally:
+        pool.scheduler.fault = None
+    assert httpx.get(url + "/health").status_code == 200
+
 
 def test_models_health_and_model_aliases(oai, url, ref):
     models = oai.models.list()
@@ -315,6 +329,18 @@ BAD = [
     ("two-prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("n-two", CHAT, {"messages": MESSAGES, "n": 2}, 400, "n", None),
     ("logprobs", CHAT, {"messages": MESSAGES, "logprobs": True}, 400, "logprobs", None),
+    ("unknown-argument", CHAT, {"messages": MESSAGES, "temprature": 0}, 400, "temprature", "unknown_parameter"),
+    ("unknown-argument-completions", COMPLETIONS, {"prompt": "a", "guided_json": {}}, 400, "guided_json",
+     "unknown_parameter"),
+    ("response-format-json", CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "unsupported_value"),
+    ("top-k", CHAT, {"messages": MESSAGES, "top_k": 5}, 400, "top_k", "unsupported_value"),
+    ("min-p", COMPLETIONS, {"prompt": "a", "min_p": 0.1}, 400, "min_p", "unsupported_value"),
+    ("repetition-penalty", CHAT, {"messages": MESSAGES, "repetition_penalty": 1.2}, 400, "repetition_penalty",
+     "unsupported_value"),
+    ("tool-choice", CHAT, {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice", "unsupported_value"),
+    ("max-tokens-beyond-context", COMPLETIONS, {"prompt": "a", "max_tokens": MAX_LENGTH}, 400, "max_tokens",
+     "context_length_exceeded"),
     ("stop-empty-string", CHAT, {"messages": MESSAGES, "stop": ""}, 400, "stop", None),
     ("stop-not-strings", CHAT, {"messages": MESSAGES, "stop": [1, 2]}, 400, None, None),
     ("chat-prompt-beyond-cache", CHAT, {"messages": [{"role": "user", "content": _LONG}]}, 400, None,
@@ -329,6 +355,28 @@ BAD = [
 def test_bad_request(url, path, body, status, param, code):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     assert_error(httpx.post(url + path, timeout=TIMEOUT, **kwargs), status, param, code)
+
+
+def test_max_tokens_beyond_context_names_the_numbers(url, ref):
+    prompt = len(chat_ids(ref))
+    r = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": MAX_LENGTH}, timeout=TIMEOUT)
+    message = assert_error(r, 400, "max_tokens", "context_length_exceeded")["message"]
+    assert f"context is {MAX_LENGTH} tokens" in message and f"{prompt + MAX_LENGTH} were requested" in message
+    assert f"at most {MAX_LENGTH - prompt}" in message
+    # What the message allows is answered, to the last token.
+    r = httpx.post(url + CHAT, json={"messages": MESSAGES, "max_tokens": MAX_LENGTH - prompt, "temperature": 0},
+                   timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
+def test_neutral_values_of_unsupported_arguments_are_accepted(url, ref):
+    """Clients send these at their no-op values; those change nothing and are answered."""
+    want = ref.generate(chat_ids(ref), max_new_tokens=8)
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "top_k": -1, "min_p": 0.0,
+            "repetition_penalty": 1.0, "response_format": {"type": "text"}, "metadata": {"team": "a"},
+            "presence_penalty": 0.0, "tool_choice": "none"}
+    r = httpx.post(url + CHAT, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want.text, r.text
 
 
 def test_oversize_chunked_body_and_wrong_routes(url, ref):

@@ -146,10 +146,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health():
-        body = {"status": "draining" if state.draining else "ok", "model": state.model_id,
+        scheduler = pool.scheduler
+        broken = scheduler is not None and not scheduler.healthy
+        body = {"status": "draining" if state.draining else "unhealthy" if broken else "ok", "model": state.model_id,
                 "workers": len(pool.generators), "busy": pool.busy, "queued": pool.waiting,
                 "replica": pool.replica}
-        return JSONResponse(body, status_code=503 if state.draining else 200)
+        if broken:
+            body["error"] = f"the batching scheduler failed: {scheduler.fault!r}"
+        return JSONResponse(body, status_code=503 if state.draining or broken else 200)
 
     @app.get("/metrics")
     async def prometheus():
@@ -191,7 +195,7 @@ async def generate(state: ServerState, request, chat: bool) -> Response:
     else:
         ids = await run_in_threadpool(completion_prompt, pool.tokenizer, req.prompt)
         max_tokens = req.max_tokens
-    check_prompt(ids, pool.max_length, pool.vocab_size)
+    check_prompt(ids, max_tokens, pool.max_length, pool.vocab_size)
     job = Job(ids, generation_kwargs(req, max_tokens), req.user)
     shape = Shape(chat, req.model or state.model_id)
     events = pool.run(job)

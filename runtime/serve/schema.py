@@ -31,11 +31,17 @@ def shutting_down() -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-# Strict, as OpenAI's API is: "0.5" is not a float, 1.0 is not an int, 1 is not a bool. Unknown
-# fields are ignored (clients send many); known ones this server cannot honour are refused (_ONLY).
+# Strict, as OpenAI's API is: "0.5" is not a float, 1.0 is not an int, 1 is not a bool. A request
+# argument this server does not know is refused naming it, as OpenAI's API refuses one; known ones it
+# cannot honour are refused too (_ONLY). Inside messages, fields clients echo back from earlier
+# responses (refusal, annotations, ...) are ignored: they do not change the prompt.
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Request(Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(Strict):
@@ -53,7 +59,7 @@ class Message(Strict):
     name: str | None = None
 
 
-class Common(Strict):
+class Common(Request):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)       # OpenAI's default and range
@@ -67,6 +73,12 @@ class Common(Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None   # tags for the caller's records: nothing to honour
+    response_format: dict | None = None
+    # Sampling arguments other OpenAI-compatible servers take (vLLM, llama.cpp's server)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 class ChatRequest(Common):
@@ -75,6 +87,8 @@ class ChatRequest(Common):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(Common):
@@ -96,8 +110,14 @@ _ONLY = {
     "suffix": ((None, ""), "suffix is not supported by this server"),
     "tools": ((None, []), "tools are not supported by this server"),
     "logit_bias": ((None, {}), "logit_bias is not supported by this server"),
+    "tool_choice": ((None, "none"), "tool_choice is not supported by this server (tools are not)"),
+    "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported by this server (tools are not)"),
     "presence_penalty": ((0.0,), "presence_penalty is not supported by this server (only 0)"),
     "frequency_penalty": ((0.0,), "frequency_penalty is not supported by this server (only 0)"),
+    "response_format": ((None, {"type": "text"}), "response_format is not supported by this server (only text)"),
+    "top_k": ((None, 0, -1), "top_k is not supported by this server (only 0 or -1: all tokens)"),
+    "min_p": ((None, 0.0), "min_p is not supported by this server (only 0)"),
+    "repetition_penalty": ((None, 1.0), "repetition_penalty is not supported by this server (only 1)"),
 }
 
 
@@ -116,6 +136,9 @@ def parse_request(kind, data):
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p)) or None
+        if first["type"] == "extra_forbidden":
+            raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                           code="unknown_parameter") from None
         message = f"invalid value for '{param}': {first['msg']}" if param else first["msg"]
         raise APIError(400, message, param=param, code="invalid_value") from None
     for name, (allowed, why) in _ONLY.items():
@@ -156,13 +179,19 @@ def completion_prompt(tokenizer, prompt) -> list[int]:
     return list(prompt)
 
 
-def check_prompt(ids: list[int], max_length: int, vocab_size: int) -> None:
-    """Refused here, before the request waits for a worker, rather than by the worker."""
+def check_prompt(ids: list[int], max_tokens: int | None, max_length: int, vocab_size: int) -> None:
+    """Refused here, before the request waits for a worker, rather than by the worker. A max_tokens
+    the context cannot hold is refused, not cut short; without one, the reply may fill the context."""
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     if len(ids) >= max_length:
         raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {max_length} tokens and "
                        "must leave room for at least one new token", param="messages",
+                       code="context_length_exceeded")
+    if max_tokens is not None and len(ids) + max_tokens > max_length:
+        raise APIError(400, f"this model's context is {max_length} tokens, but {len(ids) + max_tokens} were "
+                       f"requested ({len(ids)} in the prompt, {max_tokens} for the reply); reduce max_tokens to "
+                       f"at most {max_length - len(ids)} or shorten the prompt", param="max_tokens",
                        code="context_length_exceeded")
     if any(not 0 <= t < vocab_size for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
