@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.llama import RMSNorm, causal_bias, forward_layers
 from models.tensors import layer_tensors
 from models.weights import Checkpoint
-from runtime import open_session
+from runtime import open_session, target_provider
 
 from .common import ExportError
 from .memory import resident_calibration
@@ -99,7 +99,7 @@ def reference_logits(cfg: ModelConfig, state: Mapping, sequences: list[tuple[lis
 def graph_logits(artifact, manifest: dict, sequences: list[tuple[list[int], int]]) -> list[np.ndarray]:
     """The exported base graph's logits at the same positions, each chat one prefill."""
     longest = max(len(ids) for ids, _ in sequences)
-    provider = "cpu" if manifest["target"] == "onnx" else manifest["target"]
+    provider = target_provider(manifest["target"])
     base = open_session(artifact, manifest["graphs"]["base"], provider, "cpu", longest, longest, 64, None)
     out = []
     for ids, first in sequences:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from models.cpu import bf16_matmuls, cpu_flags, int8_dot_products
+from models.cpu import int8_dot_products
 from models.draft_vocab import DraftVocab
 from models.weights import Checkpoint
 
@@ -15,7 +15,7 @@ from .common import PORTABLE_PRECISION, ExportError, default_precision
 from .quality import MIN_AGREEMENT
 from .onnx_export import export_onnx
 from .onnx_graph import INT8_BLOCK, INT8_BLOCKS, PRECISIONS
-from .torch_export import PRECISIONS as TORCH_PRECISIONS, export_torch, import_ipex, ipex_bf16_supported
+from .torch_export import IPEX_BF16_NEEDS, PRECISIONS as TORCH_PRECISIONS, export_torch, import_ipex, ipex_bf16_runs
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class Target:
     def precision(self, asked: str | None, log) -> str:
         """The precision to export: the one asked for, checked, or this target's default."""
         precision = asked or self.default()
-        if not asked and self.why_default(precision):
-            log(f"precision {precision}: {self.why_default(precision)}")
+        if not asked and (why := self.why_default(precision)):
+            log(f"precision {precision}: {why}")
         if precision not in self.precisions:
             raise ExportError(f"unsupported precision {precision!r} for --target {self.name}; "
                               f"choose one of {', '.join(self.precisions)}")
@@ -121,12 +121,6 @@ def _torch_safer(precision: str, options: Options) -> tuple[str, Options] | None
     return None if precision == "fp32" else ("fp32", options)
 
 
-def _ipex_bf16() -> bool:
-    """IPEX's bf16 linears run (its prepacking asserts AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and multiply in
-    hardware (AVX512-BF16 or AMX): elsewhere bf16 is emulated, slower than fp32 and not claimed exact."""
-    return bf16_matmuls() and ipex_bf16_supported(cpu_flags())
-
-
 def _onnx_why_default(precision: str) -> str | None:
     if precision != PORTABLE_PRECISION:
         return "the default on this CPU (AMX int8 tiles); --precision int8 gives an artifact every x86-64 CPU runs"
@@ -140,9 +134,8 @@ def _ipex_why_default(precision: str) -> str | None:
 
 
 def _ipex_missing(precision: str) -> str | None:
-    if precision == "bf16" and not _ipex_bf16():
-        return ("IPEX's bf16 kernels need AVX512-BF16 or AMX (with AVX-512 BW/VL/DQ or AVX-NE-CONVERT), which "
-                "this CPU lacks; use --precision fp32 or int8 (weight-only), or an ONNX artifact")
+    if precision == "bf16" and not ipex_bf16_runs():
+        return f"{IPEX_BF16_NEEDS}; use --precision fp32 or int8 (weight-only), or an ONNX artifact"
     return None
 
 
@@ -150,7 +143,7 @@ TARGETS = {t.name: t for t in (
     # onnx: the fastest precision whose speculation is lossless on the CPU exporting (default_precision).
     Target("onnx", PRECISIONS, default_precision, onnx_options=True, run=_export_onnx, missing=_onnx_missing,
            why_default=_onnx_why_default, safer=_onnx_safer),
-    Target("ipex", TORCH_PRECISIONS["ipex"], lambda: "bf16" if _ipex_bf16() else "fp32", onnx_options=False,
+    Target("ipex", TORCH_PRECISIONS["ipex"], lambda: "bf16" if ipex_bf16_runs() else "fp32", onnx_options=False,
            run=_export_torch, missing=_ipex_missing, why_default=_ipex_why_default, safer=_torch_safer,
            prepare=import_ipex),
     Target("torch", TORCH_PRECISIONS["torch"], lambda: "fp32", onnx_options=False, run=_export_torch,

@@ -17,7 +17,7 @@ import torch
 
 from artifact.directory import atomic_directory
 from models.attention import KEY_BLOCK
-from models.cpu import cpu_flags
+from models.cpu import bf16_matmuls, cpu_flags
 from models.draft_vocab import DraftVocab
 from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
@@ -49,11 +49,18 @@ def import_ipex():
 
 # IPEX's bf16 weight prepacking asserts one of these instruction sets (AVX-512 BW+VL+DQ, or AVX-NE-CONVERT).
 IPEX_BF16_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
-IPEX_BF16_NEEDS = "IPEX's bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which this CPU lacks"
+IPEX_BF16_NEEDS = ("IPEX's bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and AVX512-BF16 or AMX to "
+                   "multiply in hardware (elsewhere bf16 is emulated, slower than fp32 and not claimed exact), "
+                   "which this CPU lacks")
 
 
 def ipex_bf16_supported(flags: set[str]) -> bool:
     return any(isa <= flags for isa in IPEX_BF16_ISAS)
+
+
+def ipex_bf16_runs() -> bool:
+    """Whether IPEX's bf16 linears run here (prepacking) and multiply in hardware (models.cpu.bf16_matmuls)."""
+    return ipex_bf16_supported(cpu_flags()) and bf16_matmuls()
 
 
 def woq_int8(module: torch.nn.Module, ipex) -> None:
@@ -172,7 +179,7 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
     n_positions = max_length + TREE_POSITION_MARGIN
     start = time.time()
     ipex_version = {"intel_extension_for_pytorch": import_ipex().__version__} if target == "ipex" else {}
-    if target == "ipex" and "bf16" in (precision, draft_precision) and not ipex_bf16_supported(cpu_flags()):
+    if target == "ipex" and "bf16" in (precision, draft_precision) and not ipex_bf16_runs():
         raise ExportError(f"{IPEX_BF16_NEEDS}: export --target ipex --precision fp32 or int8, or an ONNX artifact")
     with atomic_directory(out, overwrite) as tmp:
         graphs = {}

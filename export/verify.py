@@ -16,7 +16,7 @@ from eagle2 import tree_from_parents, write_attention_bias
 from models.config import ModelConfig
 from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, RMSNorm, causal_bias, eagle3_layers, forward_layers
 from models.tensors import LazyTensors, layer_tensors
-from runtime import open_session
+from runtime import open_session, target_provider
 
 from .onnx_graph import INT8_BLOCK, W8A8_ZERO_POINT, dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
 
@@ -133,7 +133,7 @@ def check_parity(artifact, manifest: dict, cfg: ModelConfig, state: Mapping, hea
     def record(name, got, want):
         diffs[name] = max(diffs.get(name, 0.0), rel_diff(got, want))
 
-    provider = "cpu" if manifest["target"] == "onnx" else manifest["target"]
+    provider = target_provider(manifest["target"])
 
     def session(graph: str):
         return open_session(artifact, manifest["graphs"][graph], provider, "cpu", cache_len, max(prefill, tree), 64,

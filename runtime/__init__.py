@@ -4,7 +4,7 @@ open_session opens one graph of an artifact on a provider's backend (runtime/bac
 that steps a graph itself, such as the exporter's parity check."""
 from .api import GenerationOutput, Generator, load
 from .backend import ProviderError
-from .providers import open_session
+from .providers import open_session, target_provider
 from .session import openvino_options
 
-__all__ = ["GenerationOutput", "Generator", "ProviderError", "load", "open_session", "openvino_options"]
+__all__ = ["GenerationOutput", "Generator", "ProviderError", "load", "open_session", "openvino_options", "target_provider"]

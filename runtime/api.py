@@ -147,10 +147,10 @@ class Generator:
         or fills its prompt, when no item comes."""
         try:
             while True:
-                try:
-                    item = request.tokens.get(timeout=CANCEL_POLL_S)
+                try:  # without a cancel event there is nothing to watch: block
+                    item = request.tokens.get(timeout=None if cancel is None else CANCEL_POLL_S)
                 except queue.Empty:
-                    if cancel is not None and cancel.is_set():
+                    if cancel.is_set():
                         self.scheduler.cancel(request)
                     continue
                 if item is FINISHED:

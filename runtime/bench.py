@@ -38,6 +38,7 @@ from .api import load
 from .generation import TREE_FIELDS, as_tree, tree_label
 from .peers import make_peers
 from .prompts import load_prompts
+from .providers import target_provider
 from .session import openvino_options
 from .tokenizer import ChatTokenizer
 
@@ -122,7 +123,7 @@ def load_spec(spec: str, default_provider: str):
     provider and OpenVINO's precision hint), torch ones on their own target."""
     path, provider, hint = split_spec(spec, default_provider)
     manifest = read_manifest(Path(path), verify_checksums=False)
-    provider = provider if manifest["target"] == "onnx" else manifest["target"]
+    provider = target_provider(manifest["target"], provider)
     options = openvino_options("CPU", hint) if provider == "openvino" else None
     return load(path, provider=provider, provider_options=options), provider, hint
 
@@ -154,7 +155,7 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
 def provider_of(spec: str, default_provider: str) -> str:
     path, provider, _ = split_spec(spec, default_provider)
     target = read_manifest(Path(path), verify_checksums=False)["target"]
-    return provider if target == "onnx" else target
+    return target_provider(target, provider)
 
 
 def worker_configs(spec: str, python: str, default_provider: str, trees_spec: str, n: int) -> list[Config]:

@@ -37,6 +37,12 @@ def can_batch(manifest: dict, provider: str) -> bool:
     return backend(provider).batches(manifest)
 
 
+def target_provider(target: str, onnx_provider: str = "cpu") -> str:
+    """The provider that runs an artifact exported for `target`: an ONNX artifact the ONNX Runtime
+    provider given, a torch one (torch, ipex) its own target's."""
+    return onnx_provider if target == "onnx" else target
+
+
 def open_session(root: Path, spec: dict, provider: str, device: str, cache_length: int, steps: int, max_k: int,
                  threads: int | None, provider_options: dict | None = None, sequences: int = 1) -> Session:
     """One graph of the artifact at `root` (its manifest's graphs[...] entry `spec`) on the provider's backend;

@@ -24,7 +24,7 @@ KINDS = {  # name: (flags, onnx default, w8a8 runs, ipex default, ipex bf16 runs
 @pytest.fixture
 def cpu(monkeypatch):
     def use(flags: set[str]) -> None:
-        for where in ("models.cpu", "export.common", "export.targets"):
+        for where in ("models.cpu", "export.common", "export.torch_export"):
             monkeypatch.setattr(f"{where}.cpu_flags", lambda: set(flags))
         monkeypatch.setattr("platform.machine", lambda: "x86_64")
     return use

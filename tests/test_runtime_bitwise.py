@@ -17,8 +17,8 @@ import runtime
 from eagle2 import tree_from_parents
 from export.onnx_export import export_onnx
 from export.onnx_graph import EXACT_KEY_BLOCK, INT8_BLOCK
-from export.torch_export import IPEX_BF16_NEEDS, ipex_bf16_supported
-from models.cpu import cpu_flags, cpu_name, int8_dot_products
+from export.torch_export import IPEX_BF16_NEEDS, ipex_bf16_runs
+from models.cpu import cpu_name, int8_dot_products
 from models.llama import CausalLM, EagleHead
 from models.registry import load_checkpoint
 from models.tiny import randomize
@@ -77,7 +77,7 @@ def generator(request, checkpoint, tmp_path_factory):
         pytest.skip("intel-extension-for-pytorch is not installed here (ci/test_ipex.sh runs these)")
     if precision == "w8a8" and not int8_dot_products():
         pytest.skip(NEEDS_INT8_DOT)
-    if (target, precision) == ("ipex", "bf16") and not ipex_bf16_supported(cpu_flags()):
+    if (target, precision) == ("ipex", "bf16") and not ipex_bf16_runs():
         pytest.skip(IPEX_BF16_NEEDS)
     gen = export(checkpoint, tmp_path_factory.mktemp("bitwise") / "artifact", target, precision)
     if target != "onnx" and not gen.engine.base.attention_in_order(gen.manifest):

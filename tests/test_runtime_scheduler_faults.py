@@ -12,18 +12,14 @@ import time
 import pytest
 
 import runtime
-from export.onnx_export import export_onnx
-from models.registry import load_checkpoint
 
 PROMPT = list(range(3, 120))
 HANG_S = 60  # a generation not ended by then hangs
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    out = tmp_path_factory.mktemp("faults") / "a"
-    export_onnx(load_checkpoint("tiny-llama"), out, "fp32", max_length=256, verify=False, log=lambda m: None)
-    return out
+def path(tiny_artifact):
+    return tiny_artifact("tiny-llama", "fp32", max_length=256)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import torch
 
 import runtime
 from export.cli import main as export_main
-from export.torch_export import IPEX_BF16_NEEDS, IPEX_BF16_TREE, export_torch, ipex_bf16_supported
+from export.torch_export import IPEX_BF16_NEEDS, IPEX_BF16_TREE, export_torch, ipex_bf16_runs, ipex_bf16_supported
 from models.attention import KEY_BLOCK, value_product
-from models.cpu import cpu_flags, cpu_name
+from models.cpu import cpu_name
 from models.registry import load_checkpoint
 from runtime.backend import ProviderError
 from runtime.torch_session import CACHE_STEP
@@ -25,7 +25,7 @@ from test_runtime_sampling import ALPHA, DRAWS, PROMPT, VOCAB, draw, pvalue
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 needs_ipex = pytest.mark.skipif(not HAS_IPEX, reason="intel-extension-for-pytorch is not installed here "
                                                      "(ci/test_ipex.sh runs these in .venv-ipex)")
-needs_ipex_bf16 = pytest.mark.skipif(not ipex_bf16_supported(cpu_flags()), reason=IPEX_BF16_NEEDS)
+needs_ipex_bf16 = pytest.mark.skipif(not ipex_bf16_runs(), reason=IPEX_BF16_NEEDS)
 KINDS = [pytest.param("torch", "bf16"), pytest.param("ipex", "bf16", marks=[needs_ipex, needs_ipex_bf16]),
          pytest.param("ipex", "int8", marks=needs_ipex)]
 
@@ -106,7 +106,7 @@ def test_ipex_bf16_export_is_refused_on_cpus_without_its_instructions(tmp_path, 
     assert not ipex_bf16_supported(avx2_only)
     assert ipex_bf16_supported(avx2_only | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
     assert ipex_bf16_supported(avx2_only | {"avx_ne_convert"})
-    if HAS_IPEX and not ipex_bf16_supported(cpu_flags()):
+    if HAS_IPEX and not ipex_bf16_runs():
         assert export_main(["tiny-llama", "--target", "ipex", "--out", str(tmp_path / "x")]) == 1
         assert "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT" in capsys.readouterr().err
         assert not (tmp_path / "x").exists()
