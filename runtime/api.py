@@ -13,6 +13,7 @@ from artifact.manifest import read_manifest
 from .batch import FINISHED, Scheduler
 from .engine import Engine
 from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
+from .prefix_cache import PrefixCache, default_budget_bytes
 from .providers import check_provider
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
 from .tuning import plain_from, read_tuning
@@ -26,7 +27,7 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str                 # "stop" (end-of-turn/eos token or a stop string), "length" or "cancelled"
     accept_lengths: list[int]          # tokens per verify cycle, bonus included (EAGLE's tau)
-    timings: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # seconds, tokens_per_s, and prefix_hit_tokens (prompt tokens reused)
 
     @property
     def mean_accept_length(self) -> float:
@@ -40,7 +41,7 @@ class Generator:
 
     def __init__(self, path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
                  verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None,
-                 parallel: int = 1, row_budget: int | None = None):
+                 parallel: int = 1, row_budget: int | None = None, prefix_cache_mb: float | None = None):
         check_provider(provider)
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
@@ -64,6 +65,7 @@ class Generator:
             else:
                 self.tree_defaults = dict(tuned["tree"])
         self.tree_defaults.setdefault("lookup", DEFAULT_LOOKUP)  # manifests and tunings that predate it
+        self.prefix_cache = self._prefix_cache(prefix_cache_mb)
         self.scheduler: Scheduler | None = None
         if parallel > 1:
             # A fixed row budget is the caller's policy; otherwise the tuned load from which plain steps win.
@@ -72,6 +74,22 @@ class Generator:
             self.scheduler.start()
         self._lock = threading.Lock()
         self._owner: int | None = None
+
+    def _prefix_cache(self, megabytes: float | None) -> PrefixCache | None:
+        """None: on, at the default budget, where this engine can reuse prefixes exactly; 0: off."""
+        if megabytes is None:
+            self.prefix_note = self.engine.prefix_refusal()
+            return None if self.prefix_note else self.engine.use_prefix_cache(default_budget_bytes())
+        if megabytes < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0: off), got {megabytes}")
+        if megabytes == 0:
+            self.prefix_note = "prefix reuse off (prefix_cache_mb=0)"
+            return None
+        self.prefix_note = None
+        return self.engine.use_prefix_cache(int(megabytes * 2**20))
+
+    def describe_prefix_cache(self) -> str:
+        return self.prefix_cache.describe() if self.prefix_cache is not None else self.prefix_note
 
     @property
     def max_length(self) -> int:
@@ -163,11 +181,15 @@ class Generator:
 
     def _run_alone(self, ids: list[int], settings: Settings):
         self._acquire()
+        tokens = None
         try:
             decoder = Decoder(self.engine, ids, settings, self.stop_ids)
-            for new in decoder.tokens():
+            tokens = decoder.tokens()
+            for new in tokens:
                 yield new, decoder
         finally:
+            if tokens is not None:
+                tokens.close()  # its end (the prefix it leaves) comes before another generation starts
             self._release()
 
     def _output(self, decoder: Decoder, token_ids: list[int], text: str, cycles: int) -> GenerationOutput:
@@ -183,6 +205,7 @@ class Generator:
             t["host"] = max(st.total_s - sum(t.values()), 0.0)
         t["total"] = st.total_s
         t["first_token"] = st.first_token_s
+        t["prefix_hit_tokens"] = st.prefix_hit_tokens
         decode_s = st.total_s - st.first_token_s
         t["tokens_per_s"] = (len(token_ids) - 1) / decode_s if decode_s > 0 and len(token_ids) > 1 else 0.0
         return GenerationOutput(text=text, token_ids=token_ids, finish_reason=decoder.finish_reason,
@@ -305,7 +328,7 @@ class Generator:
 
 def load(path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
          verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None,
-         parallel: int = 1, row_budget: int | None = None) -> Generator:
+         parallel: int = 1, row_budget: int | None = None, prefix_cache_mb: float | None = None) -> Generator:
     """Load an artifact directory made by `python -m export`. provider: cpu, cuda or openvino (ONNX
     Runtime) for ONNX artifacts, with ONNX Runtime `provider_options` (runtime.openvino_options(device,
     precision_hint) for OpenVINO); ipex or torch for torch artifacts, on `device` (cpu, cuda, xpu).
@@ -313,6 +336,8 @@ def load(path, provider: str = "cpu", max_length: int | None = None, threads: in
     attention, on the cpu provider; the others decode one at a time); row_budget: the tree rows of
     one such step, shared by EAGLE-2's rerank across them (None: each its own tree, and from as many
     generations side by side as `runtime tune --batch` found plain steps faster, plain steps). More
-    generations than `parallel` wait for one to end."""
+    generations than `parallel` wait for one to end. prefix_cache_mb: host memory for the caches of
+    earlier generations' tokens, reused by later prompts that start with them (runtime/prefix_cache.py;
+    None: 1/8 of the machine's memory where the artifact's steps are exact here, else off; 0: off)."""
     return Generator(path, provider, max_length, threads, verify_checksums, device, provider_options, parallel,
-                     row_budget)
+                     row_budget, prefix_cache_mb)

@@ -85,8 +85,8 @@ class Scheduler:
         return request
 
     def cancel(self, request: Request) -> None:
-        """End a generation: at once while it waits for a slot, else at its next step (a prompt
-        chunk's, while its prompt is being filled)."""
+        """End a generation: at once while it waits for a slot, else before the scheduler's next step
+        (while its prompt is being filled too)."""
         with self._lock:
             if request in self._waiting:
                 self._waiting.remove(request)
@@ -164,6 +164,7 @@ class Scheduler:
         """Admit what fits; then draft steps until every generation waits for the base (each draft
         step holds every generation's next draft rows; trees are sized between them); then one base
         step. Each generation goes on to its next step's rows as soon as its outputs are in."""
+        self._drop_cancelled()
         self._admit()
         for r in list(self._active):
             if r.pending is None:
@@ -244,6 +245,15 @@ class Scheduler:
                     continue
                 r.steps = r.decoder.steps()
                 self._active.append(r)
+
+    def _drop_cancelled(self) -> None:
+        """Generations cancelled since the last step end now, their pending rows unrun (a prompt chunk's
+        too): their slots are free for the next to be admitted."""
+        for r in list(self._active):
+            if r.abandoned:
+                if not r.decoder.finish_reason:
+                    r.decoder.finish("cancelled")
+                self._end(r, FINISHED)
 
     def _speculate(self) -> bool:
         """Whether a generation starting a cycle drafts a tree at the present load."""

@@ -125,7 +125,8 @@ def load_spec(spec: str, default_provider: str):
     manifest = read_manifest(Path(path), verify_checksums=False)
     provider = target_provider(manifest["target"], provider)
     options = openvino_options("CPU", hint) if provider == "openvino" else None
-    return load(path, provider=provider, provider_options=options), provider, hint
+    # Every run starts cold, as the peers' do: a prompt measured twice must not reuse its first run's caches.
+    return load(path, provider=provider, provider_options=options, prefix_cache_mb=0), provider, hint
 
 
 def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) -> list[Config]:

@@ -25,6 +25,7 @@ import numpy as np
 from eagle2 import DraftTree, tree_from_parents, write_attention_bias
 
 from .backend import Session
+from .prefix_cache import Block, Hit, PrefixCache
 from .providers import check_target, open_session
 
 PREFILL_CHUNK = 128
@@ -132,6 +133,64 @@ class Engine:
         # The manifest's claim, kept where the backend finds this machine keeps it.
         self.verify_exact = (manifest.get("verify_exact", False)
                              and self.base.keeps_exactness(manifest, self.verification_matches_decoding))
+        self.prefix: PrefixCache | None = None
+
+    # --- prefix reuse (runtime/prefix_cache.py) ---------------------------------------------------
+    def prefix_refusal(self) -> str | None:
+        """Why this engine cannot reuse prefixes (None: it can). A prompt's reused part must give the bits
+        a cold prefill gives, in whatever chunks: only where verification is exact, whose rows are
+        computed alone; and the caches must be host arrays to copy blocks in and out."""
+        if not self.verify_exact:
+            return ("prefix reuse needs an artifact whose steps compute every row as it is computed alone "
+                    "(verify_exact, on this machine): a reused prefix would change the bits of later steps")
+        if self.base.resident or (self.draft is not None and self.draft.resident):
+            return "prefix reuse copies caches held in host memory; this provider keeps them on the device"
+        return None
+
+    def use_prefix_cache(self, budget_bytes: int) -> PrefixCache:
+        why = self.prefix_refusal()
+        if why:
+            raise ValueError(why)
+        self.prefix = PrefixCache(budget_bytes)
+        return self.prefix
+
+    def restore_prefix(self, seq: Sequence, hit: Hit) -> None:
+        """Copy a hit's blocks into the sequence's slot: base K/V and features at [0, hit.tokens), the
+        head's K/V at head positions [0, hit.draft_tokens - 1)."""
+        if not hit.tokens:
+            return
+        b = self.prefix.block_tokens
+        self.base.reserve(hit.tokens)
+        seq.end = max(seq.end, hit.tokens)
+        base = self.base.cache_arrays()
+        for i, block in enumerate(hit.blocks):
+            for cache, kept in zip(base, block.base):
+                cache[seq.slot][:, i * b:(i + 1) * b] = kept
+            seq.features[i * b:(i + 1) * b] = block.features
+        if hit.draft_tokens and self.draft is not None:
+            self.draft.reserve(hit.draft_tokens)
+            draft = self.draft.cache_arrays()
+            for i, block in enumerate(hit.blocks[:hit.draft_tokens // b]):
+                for cache, kept in zip(draft, block.draft):
+                    cache[seq.slot][:, max(i * b - 1, 0):(i + 1) * b - 1] = kept
+
+    def keep_prefix(self, seq: Sequence, tokens, context: int, drafted: int) -> None:
+        """Copy the whole blocks of `tokens` the prefix cache lacks out of the sequence's slot: the base
+        holds `context` of them, the head's rows every pair within the first `drafted`."""
+        cache, b = self.prefix, self.prefix.block_tokens
+        keys = cache.keys(tokens[:context])
+        wanted = cache.missing(keys, drafted if self.draft is not None else 0)
+        if not wanted:
+            cache.insert(keys, {})
+            return
+        base = self.base.cache_arrays()
+        draft = self.draft.cache_arrays() if self.draft is not None else []
+        blocks = {}
+        for i, key, with_draft in wanted:
+            s, e = i * b, (i + 1) * b
+            blocks[key] = Block(key, [np.array(a[seq.slot][:, s:e]) for a in base], np.array(seq.features[s:e]),
+                                [np.array(a[seq.slot][:, max(s - 1, 0):e - 1]) for a in draft] if with_draft else None)
+        cache.insert(keys, blocks)
 
     # --- sequences --------------------------------------------------------------------------
     def open_sequence(self) -> Sequence:

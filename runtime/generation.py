@@ -17,6 +17,7 @@ from eagle2 import (DraftPool, NgramIndex, accept_greedy, accept_sampling, graft
                     tree_from_parents)
 
 from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine, Rows, Sequence
+from .prefix_cache import Hit
 
 
 # The lookup matches the last 3 committed tokens and proposes up to 8 tokens when neither the call
@@ -80,6 +81,7 @@ class Stats:
     accept_lengths: list[int] = field(default_factory=list)
     new_tokens: int = 0
     prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0         # prompt tokens whose caches came from the prefix cache
     start: float = field(default_factory=time.perf_counter)
     first_token_s: float = 0.0
     total_s: float = 0.0
@@ -125,6 +127,10 @@ class Decoder:
                         if settings.speculative and settings.lookup else None)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.finish_reason: str | None = None
+        # The tokens so far (the newest, the root, not yet in the cache), and what the caches hold of
+        # them at the last point they were consistent: (base positions, tokens the head's rows cover).
+        self.sequence = list(self.prompt.tolist())
+        self._kept: tuple[int, int] | None = None
         self.seq = seq or engine.solo
         self.speculate = speculate or (lambda: True)
         if seq is None:
@@ -144,9 +150,22 @@ class Decoder:
         return accept_sampling(tree, lambda node: process_logits(
             logits[node], self.s.temperature, self.s.sampling_top_k, self.s.top_p), self.rng)
 
-    def _prefill(self):
+    def _reuse(self) -> Hit:
+        """The prompt's stored prefix, copied into this sequence's caches (runtime/prefix_cache.py)."""
+        if self.engine.prefix is None:
+            return Hit()
+        hit = self.engine.prefix.lookup(self.prompt)
+        self.engine.restore_prefix(self.seq, hit)
+        self.stats.prefix_hit_tokens = hit.tokens
+        return hit
+
+    def _prefill(self, first: int):
+        """The prompt from position `first` on, in chunks; the first new token, or None if the generation
+        was ended while its prompt was filled."""
         e = self.engine
-        for start in range(0, len(self.prompt), PREFILL_CHUNK):
+        for start in range(first, len(self.prompt), PREFILL_CHUNK):
+            if self.finish_reason:
+                return None
             part = e.prefill_rows(self.prompt[start:start + PREFILL_CHUNK], start, self.seq)
             yield part
             logits = e.finish_prefill(part)
@@ -184,33 +203,53 @@ class Decoder:
     def tokens(self):
         """Yield lists of newly produced tokens until a stop token, max_new_tokens or max_length."""
         steps, reply = self.steps(), None
-        while True:
-            try:
-                item = steps.send(reply)
-            except StopIteration:
-                return
-            reply = None
-            if isinstance(item, Rows):
-                self.engine.run([item])
-            elif isinstance(item, TreeSize):
-                reply = item.wanted
-            else:
-                yield item
+        try:
+            while True:
+                try:
+                    item = steps.send(reply)
+                except StopIteration:
+                    return
+                reply = None
+                if isinstance(item, Rows):
+                    self.engine.run([item])
+                elif isinstance(item, TreeSize):
+                    reply = item.wanted
+                else:
+                    yield item
+        finally:
+            steps.close()  # now, while the caller still holds the engine
 
     def steps(self):
         """Yield what this generation needs from its caller and the lists of tokens it produces, until
         a stop token, max_new_tokens or max_length: a step of the base or the draft (Rows: run it,
-        then resume) and the size of each tree (TreeSize: send the size granted)."""
+        then resume) and the size of each tree (TreeSize: send the size granted). Closed early, it
+        ends there. A generation that ended (finish_reason set; not one whose step failed) leaves
+        what its caches hold to the prefix cache."""
+        try:
+            yield from self._generate()
+        finally:
+            if self.finish_reason and self._kept and self.engine.prefix is not None:
+                self.engine.keep_prefix(self.seq, self.sequence, *self._kept)
+
+    def _generate(self):
         e, s = self.engine, self.s
-        root = yield from self._prefill()
+        hit = self._reuse()
+        root = yield from self._prefill(hit.tokens)
+        if root is None:
+            return
         context = len(self.prompt)
         self.stats.first_token_s = time.perf_counter() - self.stats.start
+        self.sequence.append(root)
+        drafted = hit.draft_tokens
+        self._kept = (context, drafted)
         yield from self._emit([root])
         if self.history is not None:
             self.history.extend(np.append(self.prompt, root))
         # The head reads position j's feature with token j + 1; it lags behind the cache while
-        # cycles go without a tree, and catches up in one step when a tree is drafted again.
-        head, unread = None, (self.prompt[1:].tolist() + [root]) if s.speculative else []
+        # cycles go without a tree, and catches up in one step when a tree is drafted again. A
+        # reused prefix holds its rows below drafted - 1.
+        first_unread = max(drafted - 1, 0)
+        head, unread = None, (self.prompt[first_unread + 1:].tolist() + [root]) if s.speculative else []
         while not self.finish_reason:
             # The sequence is context + 1 tokens long; a cycle adds at most as many as it verifies.
             room = e.max_length - (context + 1)
@@ -224,6 +263,8 @@ class Decoder:
                     head = yield from self._draft_context(start, np.asarray(unread, np.int64),
                                                           prompt=start == 0 or len(unread) > MAX_TOP_K)
                     unread = []
+                    drafted = context + 1
+                    self._kept = (context, drafted)
                 tree = yield from self._draft_tree(root, context, head, limit)
             else:
                 tree = tree_from_parents([root], [-1])
@@ -233,6 +274,8 @@ class Decoder:
             e.commit(accepted, context, seq=self.seq)
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
+            self.sequence += new
+            self._kept = (context + len(accepted), drafted)
             yield from self._emit(new)
             if self.history is not None:
                 self.history.extend(new)

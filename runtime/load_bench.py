@@ -5,12 +5,19 @@ each), and llama.cpp's own server (`llama-server -np N`, continuous batching) on
     python -m runtime.load_bench ARTIFACT [--prompts mtbench] [--concurrency 1,4,16] [--max-tokens 128]
                                  [--servers parallel,workers,llama-server] [--gguf as-is,Q8_0]
                                  [--report load.md] [--json load.json] [--plot load.png]
+    python -m runtime.load_bench ARTIFACT --turns 4 [--conversations 4] [--system-tokens 500]
+                                 [--concurrency 1,4] [--max-tokens 96] [--servers parallel,llama-server] ...
 
 Each server runs as its own process on loopback, one start per concurrency N, and N client
 streams (OpenAI chat completions, streamed, greedy) take the prompts from one queue. Reported per
 server and N: aggregate generated tokens/s over the wall time, time to first token, the gap between
 streamed chunks and tokens per chunk (p50/p99), the server's peak RSS (VmHWM); for this project's
 servers, whether every reply equals `Generator.generate()` of the same request alone.
+
+With --turns M, conversations instead (runtime/conversations.py): N users, each M turns of
+MT-bench questions after one shared system prompt, each turn resending the history with the
+server's earlier replies, N at once at most; reported by turn, time to first token p50/p95,
+with aggregate tokens/s, the prefix hit rate (the servers' own counts) and peak RSS.
 `bash ci/install_serve.sh` for the servers, `bash ci/install_llama_server.sh` for llama-server.
 Nothing else may run on the machine meanwhile.
 """
@@ -34,8 +41,10 @@ import numpy as np
 
 from models.cpu import cpu_name
 
+from . import conversations as conversations_
 from .api import load
 from .prompts import load_prompts
+from .stream_client import stream_chat
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_BIN = ROOT / ".peers" / "llama-server" / "bin"
@@ -92,30 +101,18 @@ def server_command(kind: str, artifact: str, gguf: Path | None, n: int, port: in
         # n slots of 2048 positions each, all cores, the GGUF's own chat template.
         return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
                 "-c", str(2048 * n), "-t", str(os.cpu_count()), "--jinja", "--no-webui"]
-    mode = ["--parallel", str(n)] if kind == "parallel" else ["--parallel", "1", "--workers", str(n)]
+    mode = {"parallel": ["--parallel", str(n)], "workers": ["--parallel", "1", "--workers", str(n)],
+            "no-reuse": ["--parallel", str(n), "--prefix-cache-mb", "0"]}[kind]
     return [sys.executable, "-m", "runtime", "serve", artifact, "--port", str(port), "--max-queue", "256",
             "--log-level", "warning", *mode]
 
 
 async def _stream(client, url: str, messages: list[dict], max_tokens: int) -> dict:
-    start = time.perf_counter()
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    text, stamps, usage = [], [], None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            delta = "".join(c.get("delta", {}).get("content") or "" for c in chunk.get("choices", []))
-            if delta:
-                text.append(delta)
-                stamps.append(time.perf_counter())
-    tokens = usage["completion_tokens"] if usage else len(stamps)
-    return {"text": "".join(text), "tokens": tokens, "ttft": (stamps[0] - start) if stamps else None,
-            "gaps": list(np.diff(stamps)), "chunks": len(stamps), "latency": time.perf_counter() - start}
+    r = await stream_chat(client, url, messages, max_tokens)
+    stamps = r["stamps"]
+    tokens = r["usage"]["completion_tokens"] if r["usage"] else len(stamps)
+    return {"text": r["text"], "tokens": tokens, "ttft": (stamps[0] - r["start"]) if stamps else None,
+            "gaps": list(np.diff(stamps)), "chunks": len(stamps), "latency": r["end"] - r["start"]}
 
 
 async def _load(url: str, requests: list[list[dict]], n: int, max_tokens: int) -> tuple[list[dict], float]:
@@ -167,14 +164,11 @@ def requantized(source: Path, quant: str) -> Path:
     return path
 
 
-def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, servers: list[str],
-        ggufs: list[str]) -> dict:
-    gen = load(artifact)
-    requests = [[{"role": "user", "content": p.text}] for p in load_prompts(prompt_spec)]
-    want = [gen.generate(gen.tokenizer.apply_chat_template(m), max_new_tokens=max_tokens).text for m in requests]
-    del gen
-    rows = []
-    peers = []
+def server_plan(servers: list[str], ggufs: list[str]) -> list[tuple[str, str, Path | None]]:
+    """(kind, label, GGUF) of every server to start."""
+    labels = {"parallel": "this project, side by side", "workers": "this project, N workers",
+              "no-reuse": "this project, side by side, prefix reuse off"}
+    plan = [(k, labels[k], None) for k in servers if k != "llama-server"]
     if "llama-server" in servers:
         if not LLAMA_SERVER.is_file():
             raise SystemExit(f"{LLAMA_SERVER} is missing: bash ci/install_llama_server.sh")
@@ -183,20 +177,59 @@ def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, ser
         for quant in ggufs:
             path = shipped if quant == "as-is" else requantized(shipped, quant)
             name = shipped.stem.rsplit(".", 1)[-1] if quant == "as-is" else quant
-            peers.append((f"llama-server {name}", path))
+            plan.append(("llama-server", f"llama-server {name}", path))
+    return plan
+
+
+@contextmanager
+def serving(kind: str, artifact: str, gguf: Path | None, n: int):
+    """(url, pid) of a server started for n streams."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with _process(server_command(kind, artifact, gguf, n, port), url, "/health") as pid:
+        yield url, pid
+
+
+def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, servers: list[str],
+        ggufs: list[str]) -> dict:
+    gen = load(artifact, prefix_cache_mb=0)
+    requests = [[{"role": "user", "content": p.text}] for p in load_prompts(prompt_spec)]
+    want = [gen.generate(gen.tokenizer.apply_chat_template(m), max_new_tokens=max_tokens).text for m in requests]
+    del gen
+    rows = []
+    plan = server_plan(servers, ggufs)
     for n in levels:
-        plan = [(k, {"parallel": "this project, side by side", "workers": "this project, N workers"}[k], None)
-                for k in servers if k != "llama-server"] + [("llama-server", label, path) for label, path in peers]
         for kind, label, gguf in plan:
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}"
-            with _process(server_command(kind, artifact, gguf, n, port), url, "/health") as pid:
+            with serving(kind, artifact, gguf, n) as (url, pid):
                 results, wall = asyncio.run(_load(url, requests, n, max_tokens))
                 rss = _peak_rss_mib(pid)
             rows.append(_summary(kind, label, n, results, wall, rss, None if kind == "llama-server" else want))
             print(f"{label}, {n} streams: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     return {"artifact": artifact, "machine": cpu_name(), "prompts": prompt_spec, "requests": len(requests),
             "max_tokens": max_tokens, "rows": rows}
+
+
+def run_turns(artifact: str, conversations: int, turns: int, system_tokens: int, levels: list[int],
+              max_tokens: int, servers: list[str], ggufs: list[str]) -> dict:
+    """The conversation workload (runtime/conversations.py) on every server at every concurrency; this
+    project's replies checked against a cold in-process generation of the same messages."""
+    gen = load(artifact, prefix_cache_mb=0)
+    system = conversations_.system_prompt(gen.tokenizer, system_tokens)
+    users = conversations_.user_turns(conversations, turns)
+    rows = []
+    for n in levels:
+        for kind, label, gguf in server_plan(servers, ggufs):
+            with serving(kind, artifact, gguf, n) as (url, pid):
+                results, wall = asyncio.run(conversations_.run_conversations(url, system, users, n, max_tokens))
+                rss = _peak_rss_mib(pid)
+            want = None if kind == "llama-server" else [
+                gen.generate(gen.tokenizer.apply_chat_template(t["messages"]), max_new_tokens=max_tokens).text
+                for c in results for t in c]
+            rows.append(conversations_.summary(label, n, results, wall, rss, want))
+            print(f"{label}, {n} at once: turn TTFT p50 ms "
+                  f"{[round(p50) for p50, _ in rows[-1]['ttft_ms']]}", file=sys.stderr)
+    return {"artifact": artifact, "machine": cpu_name(), "conversations": conversations,
+            "system_tokens": len(gen.tokenizer.encode(system)), "max_tokens": max_tokens, "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -245,21 +278,32 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,4,16", help="concurrent streams, comma-separated")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--servers", default="parallel,workers,llama-server",
-                   help="parallel (this project, side by side), workers (one model copy per worker), llama-server")
+                   help="parallel (this project, side by side), workers (one model copy per worker), no-reuse "
+                        "(side by side, prefix reuse off), llama-server")
     p.add_argument("--gguf", default="as-is,Q8_0", help="llama-server's GGUFs: as-is (as shipped), Q8_0")
     p.add_argument("--report", help="write the Markdown table here")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--plot", help="write a plot of tokens/s against streams here")
+    turns = p.add_argument_group("conversations (--turns M > 1)")
+    turns.add_argument("--turns", type=int, default=1, help="turns per conversation; more than 1: conversations")
+    turns.add_argument("--conversations", type=int, default=4, help="users, each one conversation")
+    turns.add_argument("--system-tokens", type=int, default=500, help="the shared system prompt's length")
     a = p.parse_args(argv)
-    result = run(a.artifact, a.prompts, [int(c) for c in a.concurrency.split(",")], a.max_tokens,
-                 a.servers.split(","), a.gguf.split(","))
-    print(table(result))
+    levels = [int(c) for c in a.concurrency.split(",")]
+    if a.turns > 1:
+        result = run_turns(a.artifact, a.conversations, a.turns, a.system_tokens, levels, a.max_tokens,
+                           a.servers.split(","), a.gguf.split(","))
+        report, draw = conversations_.table(result), conversations_.plot
+    else:
+        result = run(a.artifact, a.prompts, levels, a.max_tokens, a.servers.split(","), a.gguf.split(","))
+        report, draw = table(result), plot
+    print(report)
     if a.report:
-        Path(a.report).write_text(table(result) + "\n")
+        Path(a.report).write_text(report + "\n")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
     if a.plot:
-        plot(result, a.plot)
+        draw(result, a.plot)
     return 0
 
 

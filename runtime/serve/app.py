@@ -96,7 +96,7 @@ def lifespan(state: ServerState):
 
     @contextlib.asynccontextmanager
     async def run(app):
-        decoding = pool.generators[0].describe_default()
+        decoding = f"{pool.generators[0].describe_default()}; {pool.generators[0].describe_prefix_cache()}"
         if pool.scheduler is not None:
             log.info("serving model '%s': up to %d requests decoded side by side over one copy, queue %d; %s",
                      state.model_id, len(pool.generators), pool.max_queue, decoding)
@@ -257,10 +257,10 @@ async def stream_body(state: ServerState, shape: Shape, first, events, prompt_to
                 final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason)
                 final["eagle"] = result.eagle
                 if not include_usage:
-                    final["usage"] = usage(prompt_tokens, result.completion_tokens)
+                    final["usage"] = usage(prompt_tokens, result)
                 yield sse(final)
                 if include_usage:
-                    yield sse(shape.usage_chunk(prompt_tokens, result.completion_tokens))
+                    yield sse(shape.usage_chunk(prompt_tokens, result))
                 yield SSE_DONE
                 done(state, endpoint, prompt_tokens, result, start)
                 return

@@ -95,6 +95,9 @@ def parser():
     p.add_argument("--provider", default="cpu", help="cpu, cuda or openvino")
     p.add_argument("--max-length", type=int, help="KV cache length (default: the artifact's)")
     p.add_argument("--threads", type=int, help="intra-op threads per worker (default: cores / workers)")
+    p.add_argument("--prefix-cache-mb", type=float,
+                   help="host memory for reusing earlier requests' caches when a prompt starts with their tokens "
+                        "(default: 1/8 of the machine's memory where the artifact's steps are exact; 0: off)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for open requests")
     p.add_argument("--log-level", default="info")
     ray = p.add_argument_group("Ray Serve (pip install 'eagle2-deploy[ray]')")
@@ -145,7 +148,8 @@ def main(argv=None) -> int:
             return 1
         return ray_main(a)
     try:
-        pool = load_pool(a.artifact, a.workers, a.max_queue, a.provider, a.max_length, a.threads, parallel=a.parallel)
+        pool = load_pool(a.artifact, a.workers, a.max_queue, a.provider, a.max_length, a.threads, parallel=a.parallel,
+                         prefix_cache_mb=a.prefix_cache_mb)
     except (ArtifactError, ProviderError, ValueError, OSError) as e:
         print(f"error: {e}", flush=True)
         return 1

@@ -32,6 +32,25 @@ class _PoolCollector:
             yield GaugeMetricFamily("eagle2_kv_cache_positions", "positions each sequence slot's KV cache holds now",
                                     value=p.scheduler.engine.base.capacity)
             yield CounterMetricFamily("eagle2_batch_steps", "base steps run by the scheduler", value=p.scheduler.steps)
+        caches = [g.prefix_cache.stats() for g in {id(g): g for g in p.generators}.values() if g.prefix_cache]
+        if caches:
+            total = {k: sum(c[k] for c in caches) for k in ("hit_tokens", "prompt_tokens", "lookups", "hits", "bytes",
+                                                            "budget_bytes", "blocks", "evicted")}
+            yield CounterMetricFamily("eagle2_prefix_cache_hit_tokens", "prompt tokens whose caches were reused",
+                                      value=total["hit_tokens"])
+            yield CounterMetricFamily("eagle2_prefix_cache_prompt_tokens", "prompt tokens looked up in the prefix cache",
+                                      value=total["prompt_tokens"])
+            yield GaugeMetricFamily("eagle2_prefix_cache_hit_rate", "reused prompt tokens / prompt tokens looked up",
+                                    value=total["hit_tokens"] / max(total["prompt_tokens"], 1))
+            yield CounterMetricFamily("eagle2_prefix_cache_hits", "prompts that reused a stored prefix",
+                                      value=total["hits"])
+            yield GaugeMetricFamily("eagle2_prefix_cache_bytes", "host memory the stored prefixes take",
+                                    value=total["bytes"])
+            yield GaugeMetricFamily("eagle2_prefix_cache_budget_bytes", "the prefix cache's budget",
+                                    value=total["budget_bytes"])
+            yield GaugeMetricFamily("eagle2_prefix_cache_blocks", "stored blocks", value=total["blocks"])
+            yield CounterMetricFamily("eagle2_prefix_cache_evicted_blocks", "blocks evicted to stay within budget",
+                                      value=total["evicted"])
         yield CounterMetricFamily("eagle2_cancelled_generations",
                                   "generations cancelled: the client left, or the drain timed out", value=p.cancelled)
 

@@ -35,6 +35,7 @@ class Result:
     finish_reason: str                 # "stop" | "length"
     completion_tokens: int
     eagle: dict                        # the response's "eagle" extension
+    cached_tokens: int = 0             # prompt tokens whose caches were reused (runtime/prefix_cache.py)
 
 
 def _eagle_stats(out, worker: int, replica: str) -> dict:
@@ -177,7 +178,8 @@ class WorkerPool:
             emit(("error", shutting_down()))
             return
         stats = _eagle_stats(out, worker, self.replica)
-        emit(("end", Result(out.text, out.finish_reason, len(out.token_ids), stats)))
+        emit(("end", Result(out.text, out.finish_reason, len(out.token_ids), stats,
+                            out.timings.get("prefix_hit_tokens", 0))))
 
     def cancel_all(self) -> int:
         for job in list(self.jobs):
@@ -198,16 +200,22 @@ class WorkerPool:
 
 def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max_length: int | None = None,
               threads: int | None = None, replica: str | None = None, fault_hook=None,
-              parallel: int = 1) -> WorkerPool:
+              parallel: int = 1, prefix_cache_mb: float | None = None) -> WorkerPool:
     """parallel > 1: one Generator (one copy of the model) decoding up to `parallel` requests side by
     side, batched. Else N Generators (workers), each with its own graphs and caches, each running one
-    request at a time; threads per worker default to cores / N."""
+    request at a time; threads per worker default to cores / N, and each worker's prefix cache holds a
+    1/N share of prefix_cache_mb (of the default where None)."""
     if parallel > 1:
         if workers > 1:
             raise ValueError("--parallel decodes requests side by side over one copy of the model and --workers "
                              "loads one copy per worker: choose one")
-        gen = load(artifact, provider=provider, max_length=max_length, threads=threads, parallel=parallel)
+        gen = load(artifact, provider=provider, max_length=max_length, threads=threads, parallel=parallel,
+                   prefix_cache_mb=prefix_cache_mb)
         return WorkerPool([gen] * parallel, max_queue, replica=replica, fault_hook=fault_hook)
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    gens = [load(artifact, provider=provider, max_length=max_length, threads=threads) for _ in range(workers)]
+    gens = [load(artifact, provider=provider, max_length=max_length, threads=threads, prefix_cache_mb=prefix_cache_mb)
+            for _ in range(workers)]
+    for gen in gens:  # before any use
+        if gen.prefix_cache is not None:
+            gen.prefix_cache.budget //= workers
     return WorkerPool(gens, max_queue, replica=replica, fault_hook=fault_hook)

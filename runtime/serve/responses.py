@@ -24,9 +24,11 @@ def mark_gone(scope) -> None:
     scope.setdefault("state", {})["client_gone"] = True
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, result: Result) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the reused prompt tokens."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 class Shape:
@@ -48,7 +50,7 @@ class Shape:
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(prompt_tokens, result.completion_tokens), "eagle": result.eagle}
+                "usage": usage(prompt_tokens, result), "eagle": result.eagle}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
         if self.chat:
@@ -62,9 +64,9 @@ class Shape:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, result: Result) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, result)}
 
 
 def sse(obj) -> bytes:
