@@ -313,6 +313,33 @@ def test_the_conversation_benchmark_reports_reuse_by_turn(url, ref):
     assert "turn 2 TTFT p50 / p95 ms" in report and "| 4/4 |" in report
 
 
+@pytest.mark.parametrize("parallel", [1, 2], ids=["one at a time", "side by side"])
+def test_a_request_ends_at_its_time_limit(artifact, ref, parallel):
+    """A request's "timeout" (or the server's --request-timeout): the answer ends with what it has,
+    finish_reason "length"; a request with nothing yet by then gets 504."""
+    pool, thread = _serve(artifact, workers=parallel)
+    engine, run = pool.generators[0].engine, pool.generators[0].engine.run
+
+    def slow(parts):  # about 60 ms a cycle
+        time.sleep(0.01)
+        run(parts)
+    engine.run = slow
+    prompt = list(range(5, 40))
+    with thread as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 300, "temperature": 0,
+                                                      "timeout": 0.5}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length" and body["eagle"]["timed_out"]
+        assert 0 < body["usage"]["completion_tokens"] < 300
+        assert ref.generate(prompt, max_new_tokens=300).text.startswith(body["choices"][0]["text"])
+        for stream in (False, True):
+            assert_error(httpx.post(url + "/v1/completions", timeout=TIMEOUT, json={
+                "prompt": prompt, "max_tokens": 300, "timeout": 0.001, "stream": stream}), 504, code="timeout")
+        assert_error(httpx.post(url + "/v1/completions", json={"prompt": prompt, "timeout": 0}), 400, param="timeout")
+        assert httpx.get(url + "/health").status_code == 200
+
+
 def test_api_key(artifact):
     openai = pytest.importorskip("openai", reason="needs the openai package")
     pool, thread = _serve(artifact, workers=1, api_key="s3cret")

@@ -196,7 +196,7 @@ async def generate(state: ServerState, request, chat: bool) -> Response:
         ids = await run_in_threadpool(completion_prompt, pool.tokenizer, req.prompt)
         max_tokens = req.max_tokens
     check_prompt(ids, max_tokens, pool.max_length, pool.vocab_size)
-    job = Job(ids, generation_kwargs(req, max_tokens), req.user)
+    job = Job(ids, generation_kwargs(req, max_tokens), req.user, req.timeout)
     shape = Shape(chat, req.model or state.model_id)
     events = pool.run(job)
     headers = {"X-Replica-Id": pool.replica}

@@ -98,6 +98,9 @@ def parser():
     p.add_argument("--prefix-cache-mb", type=float,
                    help="host memory for reusing earlier requests' caches when a prompt starts with their tokens "
                         "(default: 1/8 of the machine's memory where the artifact's steps are exact; 0: off)")
+    p.add_argument("--request-timeout", type=float,
+                   help="seconds a request may take from its arrival (a request's own \"timeout\" may ask for "
+                        "less): its answer then ends with what it has, finish_reason \"length\" (504 if nothing)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for open requests")
     p.add_argument("--log-level", default="info")
     ray = p.add_argument_group("Ray Serve (pip install 'eagle2-deploy[ray]')")
@@ -119,6 +122,9 @@ def main(argv=None) -> int:
             return 2
     if a.max_queue < 0:
         print("error: --max-queue must be >= 0", flush=True)
+        return 2
+    if a.request_timeout is not None and a.request_timeout <= 0:
+        print("error: --request-timeout must be > 0", flush=True)
         return 2
     if a.parallel is not None and a.parallel < 1:
         print("error: --parallel must be >= 1", flush=True)
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
         return ray_main(a)
     try:
         pool = load_pool(a.artifact, a.workers, a.max_queue, a.provider, a.max_length, a.threads, parallel=a.parallel,
-                         prefix_cache_mb=a.prefix_cache_mb)
+                         prefix_cache_mb=a.prefix_cache_mb, request_timeout=a.request_timeout)
     except (ArtifactError, ProviderError, ValueError, OSError) as e:
         print(f"error: {e}", flush=True)
         return 1

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,8 +26,20 @@ class Job:
     prompt_ids: list[int]
     kwargs: dict                       # for Generator.events, all but cancel
     user: str | None = None            # the request's "user" field (the tests' fault_hook keys on it)
+    timeout: float | None = None       # seconds from arrival the request may take (the body's "timeout")
     # Set when nobody waits for the answer any more; the runtime ends the generation at its next cycle.
     cancel: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+    timed_out: bool = False
+
+    def expire(self) -> None:
+        self.timed_out = True
+        self.cancel.set()
+
+
+def timed_out(limit: float) -> APIError:
+    return APIError(504, f"the request reached its time limit of {limit:g} s before its first token",
+                    type="timeout_error", code="timeout")
 
 
 @dataclass
@@ -63,11 +76,15 @@ class WorkerPool:
     a bounded FIFO of jobs waiting for one."""
 
     def __init__(self, generators: list, max_queue: int, replica: str | None = None,
-                 fault_hook: Callable[[Job], None] | None = None):
+                 fault_hook: Callable[[Job], None] | None = None, request_timeout: float | None = None):
+        """request_timeout: the most seconds a request may take from its arrival (a request's own
+        "timeout" may ask for less): the generation then ends with what it has, finish_reason
+        "length", or 504 where it has nothing yet."""
         if not generators:
             raise ValueError("a WorkerPool needs at least one Generator")
         self.generators = generators
         self.max_queue = max_queue
+        self.request_timeout = request_timeout
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
         self.fault_hook = fault_hook   # called in the worker thread before generating (tests inject faults)
         self._executor = ThreadPoolExecutor(len(generators), thread_name_prefix="eagle2-worker")
@@ -96,14 +113,23 @@ class WorkerPool:
     def closed(self) -> bool:
         return self._executor._shutdown
 
-    async def _acquire(self) -> int:
+    def time_limit(self, job: Job) -> float | None:
+        limits = [t for t in (job.timeout, self.request_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    async def _acquire(self, job: Job) -> int:
         if self._idle.empty() and self.waiting >= self.max_queue:
             raise APIError(429, f"the server is busy ({self.busy} generating, {self.waiting} queued); retry later",
                            type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         self.waiting += 1
+        limit = self.time_limit(job)
         try:
-            return await self._idle.get()
+            if limit is None:
+                return await self._idle.get()
+            return await asyncio.wait_for(self._idle.get(), job.arrived + limit - time.monotonic())
+        except asyncio.TimeoutError:
+            raise timed_out(limit) from None
         finally:
             self.waiting -= 1
 
@@ -115,7 +141,7 @@ class WorkerPool:
     async def run(self, job: Job) -> AsyncIterator[tuple]:
         """Yield ("delta", text) events, then one ("end", Result) or ("error", exception).
         Closing this iterator early cancels the generation."""
-        worker = await self._acquire()
+        worker = await self._acquire(job)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -154,9 +180,14 @@ class WorkerPool:
     def _generate(self, worker: int, job: Job, emit) -> None:
         """Runs in a worker thread. Every outcome reaches the event loop as one final event, so the
         request's handler never waits for nothing."""
+        limit, timer = self.time_limit(job), None
         try:
             if self.fault_hook is not None:
                 self.fault_hook(job)
+            if limit is not None:
+                timer = threading.Timer(job.arrived + limit - time.monotonic(), job.expire)
+                timer.daemon = True
+                timer.start()
             events = self.generators[worker].events(job.prompt_ids, cancel=job.cancel, **job.kwargs)
             while True:
                 try:
@@ -169,7 +200,16 @@ class WorkerPool:
         except Exception as e:         # reported to this request only; the worker keeps serving
             emit(("error", e))
             return
-        if out.finish_reason == "cancelled":
+        finally:
+            if timer is not None:
+                timer.cancel()
+        finish, stats = out.finish_reason, _eagle_stats(out, worker, self.replica)
+        if finish == "cancelled" and job.timed_out:
+            if not out.token_ids:
+                emit(("error", timed_out(limit)))
+                return
+            finish, stats["timed_out"] = "length", True
+        if finish == "cancelled":
             with self._count_lock:
                 self.cancelled += 1
             log.info("worker %d: generation cancelled after %d token(s) (client gone or shutdown)", worker,
@@ -177,9 +217,7 @@ class WorkerPool:
             # Normally nobody reads this: a cancel means the request's handler has gone.
             emit(("error", shutting_down()))
             return
-        stats = _eagle_stats(out, worker, self.replica)
-        emit(("end", Result(out.text, out.finish_reason, len(out.token_ids), stats,
-                            out.timings.get("prefix_hit_tokens", 0))))
+        emit(("end", Result(out.text, finish, len(out.token_ids), stats, out.timings.get("prefix_hit_tokens", 0))))
 
     def cancel_all(self) -> int:
         for job in list(self.jobs):
@@ -200,7 +238,8 @@ class WorkerPool:
 
 def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max_length: int | None = None,
               threads: int | None = None, replica: str | None = None, fault_hook=None,
-              parallel: int = 1, prefix_cache_mb: float | None = None) -> WorkerPool:
+              parallel: int = 1, prefix_cache_mb: float | None = None,
+              request_timeout: float | None = None) -> WorkerPool:
     """parallel > 1: one Generator (one copy of the model) decoding up to `parallel` requests side by
     side, batched. Else N Generators (workers), each with its own graphs and caches, each running one
     request at a time; threads per worker default to cores / N, and each worker's prefix cache holds a
@@ -211,11 +250,12 @@ def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max
                              "loads one copy per worker: choose one")
         gen = load(artifact, provider=provider, max_length=max_length, threads=threads, parallel=parallel,
                    prefix_cache_mb=prefix_cache_mb)
-        return WorkerPool([gen] * parallel, max_queue, replica=replica, fault_hook=fault_hook)
+        return WorkerPool([gen] * parallel, max_queue, replica=replica, fault_hook=fault_hook,
+                          request_timeout=request_timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     gens = [load(artifact, provider=provider, max_length=max_length, threads=threads, prefix_cache_mb=prefix_cache_mb)
             for _ in range(workers)]
     for gen in gens:  # before any use
         if gen.prefix_cache is not None:
             gen.prefix_cache.budget //= workers
-    return WorkerPool(gens, max_queue, replica=replica, fault_hook=fault_hook)
+    return WorkerPool(gens, max_queue, replica=replica, fault_hook=fault_hook, request_timeout=request_timeout)

@@ -74,6 +74,7 @@ class Common(Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None   # tags for the caller's records: nothing to honour
+    timeout: float | None = Field(None, gt=0)  # seconds the request may take (this server's extension)
     response_format: dict | None = None
     # Sampling arguments other OpenAI-compatible servers take (vLLM, llama.cpp's server)
     top_k: int | None = None
