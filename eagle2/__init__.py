@@ -1,6 +1,6 @@
 """EAGLE-2 speculative decoding algorithms, backend-free (numpy only)."""
 from .lookup import NgramIndex
-from .sampling import process_logits, sample
+from .sampling import process_logits, sample, token_logprobs
 from .tree import DraftPool, DraftTree, graft_chain, share_rows, tree_from_parents, write_attention_bias
 from .verify import accept_greedy, accept_sampling
 
@@ -14,6 +14,7 @@ __all__ = [
     "process_logits",
     "sample",
     "share_rows",
+    "token_logprobs",
     "tree_from_parents",
     "write_attention_bias",
 ]

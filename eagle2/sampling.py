@@ -111,3 +111,18 @@ def sample(probs, rng):
     if token == probs.shape[0]:  # u * total rounded up to total: take the last token with mass
         token = int(np.flatnonzero(probs)[-1])
     return token
+
+
+def token_logprobs(logits, token: int, top: int):
+    """log p(token) under the model's distribution softmax(logits) [V] (float64), and the `top` most
+    likely tokens with theirs, most likely first (ties: lower id first): OpenAI's logprobs."""
+    x = np.asarray(logits, np.float64)
+    m = x.max()
+    log_z = m + np.log(np.exp(x - m).sum())
+    best = np.empty(0, np.int64)
+    if top:
+        kth = -np.partition(-x, min(top, len(x)) - 1)[min(top, len(x)) - 1]
+        above = np.flatnonzero(x > kth)
+        best = np.concatenate([above, np.flatnonzero(x == kth)[:top - len(above)]])
+        best = best[np.lexsort((best, -x[best]))]
+    return float(x[token] - log_z), best, x[best] - log_z

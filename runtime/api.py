@@ -5,6 +5,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,22 @@ from .tuning import plain_from, read_tuning
 CANCEL_POLL_S = 0.05  # how often a generation waiting on the scheduler looks at its cancel event
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (from the logits it was chosen from, the
+    verify step's for speculated tokens), and the most likely tokens there, most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]       # (token id, log-probability)
+
+
+class Event(NamedTuple):
+    """What Generator.events yields per decoding cycle."""
+    text: str                          # the text delta
+    token_ids: list[int]               # the new tokens
+    logprobs: list[TokenLogprob] | None  # theirs, where asked for
+
+
 @dataclass
 class GenerationOutput:
     text: str
@@ -28,6 +45,7 @@ class GenerationOutput:
     finish_reason: str                 # "stop" (end-of-turn/eos token or a stop string), "length" or "cancelled"
     accept_lengths: list[int]          # tokens per verify cycle, bonus included (EAGLE's tau)
     timings: dict = field(default_factory=dict)  # seconds, tokens_per_s, and prefix_hit_tokens (prompt tokens reused)
+    logprobs: list[TokenLogprob] | None = None   # one per token, with logprobs=k
 
     @property
     def mean_accept_length(self) -> float:
@@ -120,12 +138,12 @@ class Generator:
         return {name: self.tree_defaults[name] if v is None else v for name, v in chosen.items()}
 
     def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, lookup, temperature, top_p,
-                  sampling_top_k, seed) -> Settings:
+                  sampling_top_k, seed, logprobs) -> Settings:
         if speculative is None:
             speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
                         **self.tree(total_tokens, depth, top_k, lookup), temperature=temperature, top_p=top_p,
-                        sampling_top_k=sampling_top_k, seed=seed)
+                        sampling_top_k=sampling_top_k, seed=seed, logprobs=logprobs)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -192,6 +210,15 @@ class Generator:
                 tokens.close()  # its end (the prefix it leaves) comes before another generation starts
             self._release()
 
+    @staticmethod
+    def _logprobs(decoder: Decoder, start: int, end: int) -> list[TokenLogprob] | None:
+        """Tokens [start, end)'s log-probabilities, where the generation asked for them."""
+        if decoder is None or decoder.s.logprobs is None:
+            return None
+        return [TokenLogprob(int(token), lp, list(zip(ids.tolist(), top.tolist())))
+                for token, (lp, ids, top) in zip(decoder.sequence[len(decoder.prompt) + start:],
+                                                  decoder.logprobs[start:end])]
+
     def _output(self, decoder: Decoder, token_ids: list[int], text: str, cycles: int) -> GenerationOutput:
         """`cycles`: the verify cycles whose tokens the caller took (a scheduler's decoder may have run
         one more before it saw a stop string's finish)."""
@@ -209,23 +236,26 @@ class Generator:
         decode_s = st.total_s - st.first_token_s
         t["tokens_per_s"] = (len(token_ids) - 1) / decode_s if decode_s > 0 and len(token_ids) > 1 else 0.0
         return GenerationOutput(text=text, token_ids=token_ids, finish_reason=decoder.finish_reason,
-                                accept_lengths=st.accept_lengths[:max(cycles, 0)], timings=t)
+                                accept_lengths=st.accept_lengths[:max(cycles, 0)], timings=t,
+                                logprobs=self._logprobs(decoder, 0, len(token_ids)))
 
     def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
                  lookup: int | None = None, temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
                  seed: int | None = None, stop: list[str] | str | None = None,
-                 cancel: threading.Event | None = None) -> GenerationOutput:
+                 cancel: threading.Event | None = None, logprobs: int | None = None) -> GenerationOutput:
         """Generate from a prompt string or token ids. speculative=None uses the head when there is one.
         total_tokens / depth / top_k shape the draft tree and `lookup` is the length of the
         prompt-lookup branch grafted onto it (0: none; None = the artifact's defaults);
         temperature > 0 samples (with top_p and sampling_top_k), losslessly in both modes. `stop`:
         strings that end the reply (cut before them, finish_reason "stop"); `cancel`: an event
-        that ends the generation at the next cycle (finish_reason "cancelled")."""
+        that ends the generation at the next cycle (finish_reason "cancelled"); `logprobs`: each
+        token's log-probability and that many most likely ones (0-20) in output.logprobs, from the
+        logits it was chosen from (a tree's verify step: what plain decoding computes)."""
         events = self.events(prompt, max_new_tokens=max_new_tokens, speculative=speculative,
                              total_tokens=total_tokens, depth=depth, top_k=top_k, lookup=lookup,
                              temperature=temperature, top_p=top_p, sampling_top_k=sampling_top_k, seed=seed,
-                             stop=stop, cancel=cancel)
+                             stop=stop, cancel=cancel, logprobs=logprobs)
         return self._drain(events)
 
     def generate_many(self, prompts: list, **kwargs) -> list[GenerationOutput]:
@@ -248,22 +278,23 @@ class Generator:
         events = self.events(prompt, **kwargs)
         while True:
             try:
-                delta, _ = next(events)
+                delta = next(events).text
             except StopIteration as done:
                 return done.value
             if delta:
                 yield delta
 
     def events(self, prompt, **kwargs):
-        """Yield (text delta, new token ids) per decoding cycle, the same keyword arguments as
-        generate(); return the GenerationOutput. Closing it early ends the generation. Text is held
+        """Yield an Event (text delta, new token ids, their log-probabilities with logprobs=k) per
+        decoding cycle, the same keyword arguments as generate(); return the GenerationOutput. Closing it early ends the generation. Text is held
         back while it may be an incomplete character or the start of a stop string, so the deltas
         joined are always the output's text."""
         stop, cancel = kwargs.pop("stop", None), kwargs.pop("cancel", None)
         settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
                                   kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
                                   kwargs.pop("top_k", None), kwargs.pop("lookup", None), kwargs.pop("temperature", 0.0),
-                                  kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None))
+                                  kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None),
+                                  kwargs.pop("logprobs", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
         return self._events(self._run(prompt, settings, cancel), stop, cancel)
@@ -286,16 +317,16 @@ class Generator:
                 if stops.hit:
                     del tokens[self._stop_end(tokens, before, stops.stops):]
                     decoder.finish("stop")
-                    yield delta, tokens[before:]
+                    yield Event(delta, tokens[before:], self._logprobs(decoder, before, len(tokens)))
                     break
-                yield delta, new
+                yield Event(delta, new, self._logprobs(decoder, before, len(tokens)))
         finally:
             run.close()  # releases the generator's lock now, also when the caller closes us early
         if not stops.hit:
             tail = stops.push(text.push([], final=True)) + stops.flush()
             released.append(tail)
             if tail:
-                yield tail, []
+                yield Event(tail, [], self._logprobs(decoder, 0, 0))
         return self._output(decoder, tokens, "".join(released), cycles)
 
     def _stop_end(self, tokens: list[int], before: int, stops: list[str]) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eagle2 import (DraftPool, NgramIndex, accept_greedy, accept_sampling, graft_chain, process_logits, sample,
-                    tree_from_parents)
+                    token_logprobs, tree_from_parents)
 
 from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine, Rows, Sequence
 from .prefix_cache import Hit
@@ -39,6 +39,9 @@ def tree_label(tree: dict) -> str:
     return "{total_tokens}/{depth}/{top_k}".format(**tree) + (f"+{lookup}" if lookup else "")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
 class PromptTooLongError(ValueError):
     pass
 
@@ -55,6 +58,7 @@ class Settings:
     top_p: float = 1.0
     sampling_top_k: int = 0
     seed: int | None = None
+    logprobs: int | None = None  # each token's log-probability and this many most likely ones (None: none)
 
     @property
     def seeded_sampling(self) -> bool:
@@ -74,6 +78,8 @@ class Settings:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass
@@ -85,6 +91,16 @@ class Stats:
     start: float = field(default_factory=time.perf_counter)
     first_token_s: float = 0.0
     total_s: float = 0.0
+
+
+class _Rows:
+    """The verify logits each emitted token of a cycle was chosen from: its parent node's row."""
+
+    def __init__(self, logits, accepted: np.ndarray):
+        self.logits, self.accepted = logits, accepted
+
+    def __getitem__(self, i: int):
+        return self.logits[int(self.accepted[i])]
 
 
 @dataclass(eq=False)
@@ -131,6 +147,8 @@ class Decoder:
         # them at the last point they were consistent: (base positions, tokens the head's rows cover).
         self.sequence = list(self.prompt.tolist())
         self._kept: tuple[int, int] | None = None
+        # With settings.logprobs: (log-probability, top ids, their log-probabilities) of each token emitted.
+        self.logprobs: list[tuple[float, np.ndarray, np.ndarray]] = []
         self.seq = seq or engine.solo
         self.speculate = speculate or (lambda: True)
         if seq is None:
@@ -160,8 +178,8 @@ class Decoder:
         return hit
 
     def _prefill(self, first: int):
-        """The prompt from position `first` on, in chunks; the first new token, or None if the generation
-        was ended while its prompt was filled."""
+        """The prompt from position `first` on, in chunks; its last row's logits (valid until the next
+        step), or None if the generation was ended while its prompt was filled."""
         e = self.engine
         for start in range(first, len(self.prompt), PREFILL_CHUNK):
             if self.finish_reason:
@@ -169,7 +187,7 @@ class Decoder:
             part = e.prefill_rows(self.prompt[start:start + PREFILL_CHUNK], start, self.seq)
             yield part
             logits = e.finish_prefill(part)
-        return self._choose(logits)
+        return logits
 
     def _draft_context(self, start: int, next_tokens: np.ndarray, prompt: bool = False):
         """Feed the head rows start.. ; return the root's draft row (hidden [1, H], top-k ids, log-probs)."""
@@ -234,15 +252,16 @@ class Decoder:
     def _generate(self):
         e, s = self.engine, self.s
         hit = self._reuse()
-        root = yield from self._prefill(hit.tokens)
-        if root is None:
+        logits = yield from self._prefill(hit.tokens)
+        if logits is None:
             return
+        root = self._choose(logits)
         context = len(self.prompt)
         self.stats.first_token_s = time.perf_counter() - self.stats.start
         self.sequence.append(root)
         drafted = hit.draft_tokens
         self._kept = (context, drafted)
-        yield from self._emit([root])
+        yield from self._emit([root], [logits])
         if self.history is not None:
             self.history.extend(np.append(self.prompt, root))
         # The head reads position j's feature with token j + 1; it lags behind the cache while
@@ -270,13 +289,14 @@ class Decoder:
                 tree = tree_from_parents([root], [-1])
             part = e.verify_rows(tree, context, self.seq)
             yield part
-            accepted, bonus = self._accept(tree, e.finish_verify(part))
+            logits = e.finish_verify(part)
+            accepted, bonus = self._accept(tree, logits)
             e.commit(accepted, context, seq=self.seq)
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
             self.sequence += new
             self._kept = (context + len(accepted), drafted)
-            yield from self._emit(new)
+            yield from self._emit(new, _Rows(logits, accepted))
             if self.history is not None:
                 self.history.extend(new)
             if s.speculative:
@@ -284,10 +304,13 @@ class Decoder:
             context += len(accepted)
             root = bonus
 
-    def _emit(self, tokens: list[int]):
-        """Yield the tokens trimmed to max_new_tokens and the first stop token, setting finish_reason."""
+    def _emit(self, tokens: list[int], rows):
+        """Yield the tokens trimmed to max_new_tokens and the first stop token, setting finish_reason;
+        rows[i]: the logits token i was chosen from (for its log-probabilities)."""
         out = []
-        for t in tokens:
+        for i, t in enumerate(tokens):
+            if self.s.logprobs is not None:
+                self.logprobs.append(token_logprobs(rows[i], t, self.s.logprobs))
             out.append(t)
             self.stats.new_tokens += 1
             if t in self.stop_ids:

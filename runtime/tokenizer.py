@@ -6,6 +6,7 @@ between releases, while tokenizer.json and a Jinja chat template are stable form
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -17,11 +18,24 @@ def _raise(message):
     raise jinja2.TemplateError(message)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode), inverted."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
 class ChatTokenizer:
     def __init__(self, directory: Path):
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
+        self._added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
         self.bos_token = self._token_text(config.get("bos_token"))
         self.eos_token = self._token_text(config.get("eos_token"))
         template_path = directory / "chat_template.jinja"
@@ -41,6 +55,18 @@ class ChatTokenizer:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (an added or special token: its text), as OpenAI's logprobs
+        give them: a token may hold part of a character."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self.tokenizer.id_to_token(int(token_id)) or ""
+        if self._byte_level:
+            return bytes(BYTE_LEVEL[c] for c in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if self.chat_template is None:

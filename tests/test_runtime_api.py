@@ -99,7 +99,7 @@ def test_events_carry_text_and_token_deltas(gen):
     texts, ids = [], []
     with pytest.raises(StopIteration) as done:
         while True:
-            delta, new = next(events)
+            delta, new, _ = next(events)
             texts.append(delta)
             ids.extend(new)
     out = done.value.value

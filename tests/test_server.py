@@ -340,6 +340,33 @@ def test_a_request_ends_at_its_time_limit(artifact, ref, parallel):
         assert httpx.get(url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_are_the_runtimes(oai, ref, stream):
+    want = ref.generate(chat_ids(ref), max_new_tokens=12, logprobs=3)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    if stream:
+        content = [e for chunk in oai.chat.completions.create(stream=True, **kwargs) for c in chunk.choices
+                   if c.logprobs and c.logprobs.content for e in c.logprobs.content]
+    else:
+        content = oai.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == len(want.token_ids)  # one entry per token, the end-of-turn token's too
+    for entry, w in zip(content, want.logprobs):
+        assert entry.logprob == w.logprob and bytes(entry.bytes) == ref.tokenizer.token_bytes(w.token_id)
+        assert [t.logprob for t in entry.top_logprobs] == [lp for _, lp in w.top]
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
+
+
+def test_completion_logprobs_legacy_shape(url, ref):
+    prompt = list(range(5, 30))
+    want = ref.generate(prompt, max_new_tokens=6, logprobs=2)
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2},
+                   timeout=TIMEOUT).json()["choices"][0]
+    lp = r["logprobs"]
+    assert lp["token_logprobs"] == [w.logprob for w in want.logprobs]
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"]) and len(lp["tokens"]) == 6
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
 def test_api_key(artifact):
     openai = pytest.importorskip("openai", reason="needs the openai package")
     pool, thread = _serve(artifact, workers=1, api_key="s3cret")
@@ -393,7 +420,10 @@ BAD = [
     ("prompt-token-out-of-vocab", COMPLETIONS, {"prompt": [1, 10 ** 9]}, 400, "prompt", None),
     ("two-prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("n-two", CHAT, {"messages": MESSAGES, "n": 2}, 400, "n", None),
-    ("logprobs", CHAT, {"messages": MESSAGES, "logprobs": True}, 400, "logprobs", None),
+    ("top-logprobs-without-logprobs", CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("top-logprobs-too-many", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", None),
+    ("completion-logprobs-too-many", COMPLETIONS, {"prompt": "a", "logprobs": 6}, 400, "logprobs", None),
     ("unknown-argument", CHAT, {"messages": MESSAGES, "temprature": 0}, 400, "temprature", "unknown_parameter"),
     ("unknown-argument-completions", COMPLETIONS, {"prompt": "a", "guided_json": {}}, 400, "guided_json",
      "unknown_parameter"),

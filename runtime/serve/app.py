@@ -197,7 +197,7 @@ async def generate(state: ServerState, request, chat: bool) -> Response:
         max_tokens = req.max_tokens
     check_prompt(ids, max_tokens, pool.max_length, pool.vocab_size)
     job = Job(ids, generation_kwargs(req, max_tokens), req.user, req.timeout)
-    shape = Shape(chat, req.model or state.model_id)
+    shape = Shape(chat, req.model or state.model_id, pool.tokenizer, job.kwargs["logprobs"] is not None)
     events = pool.run(job)
     headers = {"X-Replica-Id": pool.replica}
     try:
@@ -242,7 +242,7 @@ async def stream_body(state: ServerState, shape: Shape, first, events, prompt_to
     """(chat: a role chunk), one chunk per text delta, a final chunk with the finish reason and the
     eagle extension, (a usage chunk), then [DONE]. A worker error after the headers went out
     becomes an error event, as OpenAI's API sends one."""
-    event, first_text = first, True
+    event, first_text, sent = first, True, 0  # sent: tokens whose logprobs went out
     try:
         if shape.chat:
             yield sse(shape.chunk(text="", role=True))
@@ -251,10 +251,13 @@ async def stream_body(state: ServerState, shape: Shape, first, events, prompt_to
                 if first_text:
                     state.metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
                     first_text = False
-                yield sse(shape.chunk(text=event[1]))
+                sent += len(event[2])
+                yield sse(shape.chunk(text=event[1], logprobs=event[2] if shape.wants_logprobs else None))
             elif event[0] == "end":
                 result = event[1]
-                final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason)
+                # Tokens without text of their own (an end-of-turn token) get their logprobs here.
+                rest = result.logprobs[sent:] if result.logprobs is not None else None
+                final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason, logprobs=rest)
                 final["eagle"] = result.eagle
                 if not include_usage:
                     final["usage"] = usage(prompt_tokens, result)

@@ -49,6 +49,7 @@ class Result:
     completion_tokens: int
     eagle: dict                        # the response's "eagle" extension
     cached_tokens: int = 0             # prompt tokens whose caches were reused (runtime/prefix_cache.py)
+    logprobs: list | None = None       # runtime.TokenLogprob of every token, where asked for
 
 
 def _eagle_stats(out, worker: int, replica: str) -> dict:
@@ -139,7 +140,8 @@ class WorkerPool:
         self._idle.put_nowait(worker)
 
     async def run(self, job: Job) -> AsyncIterator[tuple]:
-        """Yield ("delta", text) events, then one ("end", Result) or ("error", exception).
+        """Yield ("delta", text, [TokenLogprob of the tokens since the last delta]) events, then one
+        ("end", Result) or ("error", exception).
         Closing this iterator early cancels the generation."""
         worker = await self._acquire(job)
         loop = asyncio.get_running_loop()
@@ -170,7 +172,7 @@ class WorkerPool:
                         yield event
                         event = following
                         break
-                    event = ("delta", event[1] + following[1])
+                    event = ("delta", event[1] + following[1], event[2] + following[2])
                 yield event
                 if event[0] != "delta":
                     return
@@ -189,14 +191,17 @@ class WorkerPool:
                 timer.daemon = True
                 timer.start()
             events = self.generators[worker].events(job.prompt_ids, cancel=job.cancel, **job.kwargs)
+            pending = []               # log-probabilities of tokens whose text is held back
             while True:
                 try:
-                    delta, _ = next(events)
+                    event = next(events)
                 except StopIteration as done:
                     out = done.value
                     break
-                if delta:
-                    emit(("delta", delta))
+                pending += event.logprobs or []
+                if event.text:
+                    emit(("delta", event.text, pending))
+                    pending = []
         except Exception as e:         # reported to this request only; the worker keeps serving
             emit(("error", e))
             return
@@ -217,7 +222,8 @@ class WorkerPool:
             # Normally nobody reads this: a cancel means the request's handler has gone.
             emit(("error", shutting_down()))
             return
-        emit(("end", Result(out.text, finish, len(out.token_ids), stats, out.timings.get("prefix_hit_tokens", 0))))
+        emit(("end", Result(out.text, finish, len(out.token_ids), stats, out.timings.get("prefix_hit_tokens", 0),
+                            out.logprobs)))
 
     def cancel_all(self) -> int:
         for job in list(self.jobs):

@@ -34,34 +34,60 @@ def usage(prompt_tokens: int, result: Result) -> dict:
 class Shape:
     """The JSON objects of one endpoint (chat or completions) for one request."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, tokenizer=None, wants_logprobs: bool = False):
+        """tokenizer: for the text of tokens in logprobs, where the request asked for them."""
+        self.chat, self.model, self.tokenizer, self.wants_logprobs = chat, model, tokenizer, wants_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._bytes = b""                # of the tokens given logprobs so far (completions' text_offset)
+
+    def logprobs(self, entries: list | None) -> dict | None:
+        """OpenAI's logprobs object for the next tokens: chat's {"content": [...]}, or completions'
+        {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._token(e.token_id, e.logprob),
+                                 "top_logprobs": [self._token(i, lp) for i, lp in e.top]} for e in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["text_offset"].append(len(self._bytes.decode("utf-8", errors="ignore")))
+            piece = self.tokenizer.token_bytes(e.token_id)
+            self._bytes += piece
+            out["tokens"].append(piece.decode("utf-8", errors="replace"))
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({self._token(i, lp)["token"]: lp for i, lp in e.top})
+        return out
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        piece = self.tokenizer.token_bytes(token_id)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
     def full(self, result: Result, prompt_tokens: int) -> dict:
+        logprobs = self.logprobs(result.logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
                       "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(prompt_tokens, result), "eagle": result.eagle}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              logprobs: list | None = None) -> dict:
         if self.chat:
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, result: Result) -> dict:

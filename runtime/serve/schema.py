@@ -86,7 +86,7 @@ class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -94,7 +94,7 @@ class ChatRequest(Common):
 
 class CompletionRequest(Common):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int = 1
     suffix: str | None = None
@@ -105,8 +105,6 @@ class CompletionRequest(Common):
 _ONLY = {
     "n": ((1,), "n must be 1: this server returns one choice per request"),
     "best_of": ((1,), "best_of must be 1"),
-    "logprobs": ((None, False), "logprobs are not supported by this server"),
-    "top_logprobs": ((None, 0), "top_logprobs are not supported by this server"),
     "echo": ((False,), "echo is not supported by this server"),
     "suffix": ((None, ""), "suffix is not supported by this server"),
     "tools": ((None, []), "tools are not supported by this server"),
@@ -204,4 +202,14 @@ def generation_kwargs(req, max_tokens: int | None) -> dict:
     if len(stops) > MAX_STOPS or any(not s for s in stops):
         raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings", param="stop")
     return dict(max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
-                seed=req.seed, stop=stops)
+                seed=req.seed, stop=stops, logprobs=requested_logprobs(req))
+
+
+def requested_logprobs(req) -> int | None:
+    """How many most likely tokens to list beside each token's log-probability (None: no logprobs):
+    chat's logprobs + top_logprobs, completions' logprobs."""
+    if not isinstance(req, ChatRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
