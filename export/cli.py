@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, metavar="N",
                    help="the draft ranks only the N most frequent reply tokens (verification keeps the whole "
                    f"vocabulary; 0 = all tokens; default {DEFAULT_DRAFT_VOCAB})")
-    p.add_argument("--max-length", type=int, help="KV cache length / longest sequence (default 2048)")
+    p.add_argument("--max-length", type=int, help="longest sequence (default: the model's context, capped where one "
+                                                  "sequence's fp32 K/V would take over 1/4 of this machine's memory)")
     p.add_argument("--min-agreement", type=float, default=MIN_AGREEMENT, metavar="A",
                    help="quality gate: the least top-1 agreement with the fp32 checkpoint, teacher-forced on the "
                    f"calibration chats (default {MIN_AGREEMENT}; 0 = record it only). Below it an asked-for "

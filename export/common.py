@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from artifact.manifest import write_manifest
-from models.cpu import cpu_flags
+from models.cpu import cpu_flags, kv_bytes_per_position, physical_memory
 from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
 
@@ -25,11 +25,28 @@ DEFAULT_TREE = {"fp32": CPU_TREE, "int8": CPU_TREE, "w8a8": W8A8_TREE, "gguf": C
                 "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10}}
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
 TREE_POSITION_MARGIN = 64
+# The default max_length is the model's own context, capped where one sequence's fp32 K/V at that
+# length would take more than this share of the machine's memory.
+KV_MEMORY_SHARE = 4
+GIB = 2**30
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_turn|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
 
 
 class ExportError(ValueError):
     pass
+
+
+def default_max_length(cfg, log) -> int:
+    """The model's context (max_position_embeddings), capped by this machine's memory (said)."""
+    per_position, memory = kv_bytes_per_position(cfg), physical_memory()
+    cap = max(64, memory // KV_MEMORY_SHARE // per_position // 64 * 64)
+    context = cfg.max_position_embeddings
+    if context <= cap:
+        return context
+    log(f"max_length {cap}: the model's context is {context} positions, and one sequence's K/V at that length "
+        f"takes {context * per_position / GIB:.1f} GiB in fp32, more than 1/{KV_MEMORY_SHARE} of this machine's "
+        f"{memory / GIB:.0f} GiB (--max-length N chooses another)")
+    return cap
 
 
 def stop_token_ids(ckpt: Checkpoint) -> list[int]:

@@ -19,8 +19,8 @@ from models.gguf_blocks import read_blocks
 from models.tensors import LazyTensors, fp32_arrays
 from models.weights import Checkpoint
 
-from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, draft_vocab_entry,
-                     finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
+from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, default_max_length,
+                     draft_vocab_entry, finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .quality import MIN_AGREEMENT, check_quality
 from .memory import check_memory, resident_calibration
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS,
@@ -58,7 +58,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     blocks = _gguf_blocks(ckpt) if precision == "gguf" else None
     cfg = ckpt.cfg
     if max_length is None:
-        max_length = min(2048, cfg.max_position_embeddings)
+        max_length = default_max_length(cfg, log)
     if max_length < 16:
         raise ExportError(f"--max-length {max_length} is too small (at least 16)")
     check_memory(ckpt, "onnx", precision, verify, log)

@@ -22,8 +22,8 @@ from models.draft_vocab import DraftVocab
 from models.llama import CausalLM, Eagle3Head, EagleHead
 from models.weights import Checkpoint
 
-from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, draft_vocab_entry, finish_manifest, head_entry,
-                     save_tokenizer, stop_token_ids, versions)
+from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_max_length, draft_vocab_entry,
+                     finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .quality import MIN_AGREEMENT, check_quality
 from .torch_graph import MAX_K, BaseStep, DraftStep, Eagle3DraftStep
 
@@ -173,7 +173,7 @@ def export_torch(ckpt: Checkpoint, out: Path, target: str = "ipex", precision: s
         raise ExportError(f"unsupported draft precision {draft_precision!r} for --target {target} with a {precision} "
                           f"base; choose one of {', '.join(drafts)}")
     cfg = ckpt.cfg
-    max_length = min(2048, cfg.max_position_embeddings) if max_length is None else max_length
+    max_length = default_max_length(cfg, log) if max_length is None else max_length
     if max_length < 16:
         raise ExportError(f"--max-length {max_length} is too small (at least 16)")
     n_positions = max_length + TREE_POSITION_MARGIN

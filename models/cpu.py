@@ -1,4 +1,4 @@
-"""What the host CPU is and which instructions it has (Linux's /proc/cpuinfo)."""
+"""What the host CPU is and which instructions it has (Linux's /proc/cpuinfo), and its memory."""
 from __future__ import annotations
 
 import platform
@@ -37,3 +37,15 @@ def bf16_matmuls() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AMX or AVX512-BF16); elsewhere torch emulates
     bf16, slower than fp32."""
     return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has."""
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_bytes_per_position(cfg) -> int:
+    """One sequence's base K/V per position in fp32 (a ModelConfig, or its manifest dict)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+    return 2 * get("num_layers") * get("num_kv_heads") * get("head_dim") * 4

@@ -16,6 +16,7 @@ serves both.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle2 import DraftTree, tree_from_parents, write_attention_bias
+from models.cpu import kv_bytes_per_position, physical_memory
 
 from .backend import Session
 from .prefix_cache import Block, Hit, PrefixCache
@@ -37,6 +39,23 @@ DRAFT_TREE_ROWS = MAX_DEPTH * MAX_TOP_K  # the draft cache's rows past the conte
 # Surplus base-cache positions, over what the open sequences use, worth a re-layout to drop when a
 # sequence ends (docs/benchmarks.md#what-a-step-of-many-sequences-reads).
 FIT_SLACK = 128
+# The caches take memory as sequences use it; max_length is capped where every sequence at its full
+# length would need more than this share of the machine's memory.
+KV_MEMORY_SHARE = 2
+log = logging.getLogger("runtime")
+
+
+def fitting_max_length(manifest: dict, wanted: int, sequences: int) -> int:
+    """`wanted`, or less where `sequences` sequences of it would not fit the machine's memory (said)."""
+    per_position, memory = kv_bytes_per_position(manifest["model"]["config"]), physical_memory()
+    cap = memory // KV_MEMORY_SHARE // (per_position * sequences) // 64 * 64
+    if wanted <= cap:
+        return wanted
+    cap = max(cap, 64)
+    log.warning("max_length %d instead of %d: %d sequence(s) of %d positions would hold %.1f GiB of K/V, more than "
+                "1/%d of this machine's %.0f GiB", cap, wanted, sequences, wanted,
+                wanted * sequences * per_position / 2**30, KV_MEMORY_SHARE, memory / 2**30)
+    return cap
 
 
 class NoRoom(Exception):
@@ -90,7 +109,8 @@ class Engine:
         memory is touched only as far as it is used."""
         check_target(manifest, provider)
         self.manifest = manifest
-        self.max_length = min(max_length or manifest["max_length"], manifest["max_length"])
+        self.max_length = fitting_max_length(manifest, min(max_length or manifest["max_length"], manifest["max_length"]),
+                                             sequences)
         self.io_dtype = np.float16 if manifest["io_dtype"] == "float16" else np.float32
         self.masked = np.finfo(self.io_dtype).min
         steps = max(PREFILL_CHUNK, MAX_TREE_TOKENS)

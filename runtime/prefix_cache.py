@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from models.cpu import physical_memory
+
 # Tokens per block: a hit is rounded down to a whole block, so smaller blocks reuse more of each
 # prompt, at the price of more copies per hit (docs/serving.md#prefix-reuse).
 BLOCK_TOKENS = 16
@@ -37,8 +39,7 @@ DEFAULT_SHARE = 8
 
 def default_budget_bytes(share: int = DEFAULT_SHARE) -> int:
     """1/share of the machine's physical memory."""
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // share
+    return physical_memory() // share
 
 
 @dataclass(eq=False)
