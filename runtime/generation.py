@@ -261,6 +261,8 @@ class Decoder:
         self.sequence.append(root)
         drafted = hit.draft_tokens
         self._kept = (context, drafted)
+        if e.prefix is not None:  # now, for requests arriving meanwhile with the same start (n > 1 choices)
+            e.keep_prefix(self.seq, self.sequence, context, drafted)
         yield from self._emit([root], [logits])
         if self.history is not None:
             self.history.extend(np.append(self.prompt, root))

@@ -7,6 +7,8 @@ each), and llama.cpp's own server (`llama-server -np N`, continuous batching) on
                                  [--report load.md] [--json load.json] [--plot load.png]
     python -m runtime.load_bench ARTIFACT --turns 4 [--conversations 4] [--system-tokens 500]
                                  [--concurrency 1,4] [--max-tokens 96] [--servers parallel,llama-server] ...
+    python -m runtime.load_bench ARTIFACT --contexts 256,2000,4000 [--repeats 2] [--max-tokens 128]
+                                 [--servers no-reuse,llama-server] ...
 
 Each server runs as its own process on loopback, one start per concurrency N, and N client
 streams (OpenAI chat completions, streamed, greedy) take the prompts from one queue. Reported per
@@ -18,6 +20,9 @@ With --turns M, conversations instead (runtime/conversations.py): N users, each 
 MT-bench questions after one shared system prompt, each turn resending the history with the
 server's earlier replies, N at once at most; reported by turn, time to first token p50/p95,
 with aggregate tokens/s, the prefix hit rate (the servers' own counts) and peak RSS.
+
+With --contexts, prompts of those lengths one at a time (runtime/long_context.py): prefill time and
+decode speed by context, on the same token ids for every server.
 `bash ci/install_serve.sh` for the servers, `bash ci/install_llama_server.sh` for llama-server.
 Nothing else may run on the machine meanwhile.
 """
@@ -42,6 +47,7 @@ import numpy as np
 from models.cpu import cpu_name
 
 from . import conversations as conversations_
+from . import long_context
 from .api import load
 from .prompts import load_prompts
 from .stream_client import stream_chat
@@ -96,11 +102,11 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
             proc.wait(10)
 
 
-def server_command(kind: str, artifact: str, gguf: Path | None, n: int, port: int) -> list[str]:
+def server_command(kind: str, artifact: str, gguf: Path | None, n: int, port: int, context: int = 2048) -> list[str]:
     if kind == "llama-server":
-        # n slots of 2048 positions each, all cores, the GGUF's own chat template.
+        # n slots of `context` positions each, all cores, the GGUF's own chat template.
         return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
-                "-c", str(2048 * n), "-t", str(os.cpu_count()), "--jinja", "--no-webui"]
+                "-c", str(context * n), "-t", str(os.cpu_count()), "--jinja", "--no-webui"]
     mode = {"parallel": ["--parallel", str(n)], "workers": ["--parallel", "1", "--workers", str(n)],
             "no-reuse": ["--parallel", str(n), "--prefix-cache-mb", "0"]}[kind]
     return [sys.executable, "-m", "runtime", "serve", artifact, "--port", str(port), "--max-queue", "256",
@@ -182,11 +188,11 @@ def server_plan(servers: list[str], ggufs: list[str]) -> list[tuple[str, str, Pa
 
 
 @contextmanager
-def serving(kind: str, artifact: str, gguf: Path | None, n: int):
-    """(url, pid) of a server started for n streams."""
+def serving(kind: str, artifact: str, gguf: Path | None, n: int, context: int = 2048):
+    """(url, pid) of a server started for n streams (llama-server: of `context` positions each)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    with _process(server_command(kind, artifact, gguf, n, port), url, "/health") as pid:
+    with _process(server_command(kind, artifact, gguf, n, port, context), url, "/health") as pid:
         yield url, pid
 
 
@@ -207,6 +213,23 @@ def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, ser
             print(f"{label}, {n} streams: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     return {"artifact": artifact, "machine": cpu_name(), "prompts": prompt_spec, "requests": len(requests),
             "max_tokens": max_tokens, "rows": rows}
+
+
+def run_lengths(artifact: str, lengths: list[int], max_tokens: int, servers: list[str], ggufs: list[str],
+                repeats: int) -> dict:
+    """Prompts of each length (runtime/long_context.py) on every server, one request at a time."""
+    tokenizer = load(artifact, prefix_cache_mb=0).tokenizer
+    prompts = long_context.prompts(tokenizer, lengths)
+    rows = []
+    for kind, label, gguf in server_plan(servers, ggufs):
+        extra = {"cache_prompt": False} if kind == "llama-server" else {}
+        with serving(kind, artifact, gguf, 1, max(lengths) + max_tokens + 64) as (url, _):
+            results = asyncio.run(long_context.run_lengths(url, prompts, max_tokens, repeats, extra))
+        rows.append(long_context.summary(label, lengths, results))
+        print(f"{label}: decode tokens/s by context {[round(r['decode_tokens_per_s'], 1) for r in rows[-1]['rows']]}",
+              file=sys.stderr)
+    return {"artifact": artifact, "machine": cpu_name(), "max_tokens": max_tokens, "repeats": repeats,
+            "servers": rows}
 
 
 def run_turns(artifact: str, conversations: int, turns: int, system_tokens: int, levels: list[int],
@@ -288,9 +311,16 @@ def main(argv=None) -> int:
     turns.add_argument("--turns", type=int, default=1, help="turns per conversation; more than 1: conversations")
     turns.add_argument("--conversations", type=int, default=4, help="users, each one conversation")
     turns.add_argument("--system-tokens", type=int, default=500, help="the shared system prompt's length")
+    lengths = p.add_argument_group("prompt lengths (--contexts)")
+    lengths.add_argument("--contexts", help="prompt lengths in tokens, comma-separated: one request at a time each")
+    lengths.add_argument("--repeats", type=int, default=2, help="runs of each length (the median is reported)")
     a = p.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
-    if a.turns > 1:
+    if a.contexts:
+        result = run_lengths(a.artifact, [int(n) for n in a.contexts.split(",")], a.max_tokens, a.servers.split(","),
+                             a.gguf.split(","), a.repeats)
+        report, draw = long_context.table(result), None
+    elif a.turns > 1:
         result = run_turns(a.artifact, a.conversations, a.turns, a.system_tokens, levels, a.max_tokens,
                            a.servers.split(","), a.gguf.split(","))
         report, draw = conversations_.table(result), conversations_.plot
@@ -302,7 +332,7 @@ def main(argv=None) -> int:
         Path(a.report).write_text(report + "\n")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
-    if a.plot:
+    if a.plot and draw is not None:
         draw(result, a.plot)
     return 0
 

@@ -367,6 +367,30 @@ def test_completion_logprobs_legacy_shape(url, ref):
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_share_the_prompt_and_each_is_the_runtimes(url, oai, ref, stream):
+    """n = 3 seeded choices: choice i is gen.generate(seed=seed + i); choices after the first reuse the
+    prompt the first filled."""
+    prompt = "Once upon a time there was a robot who wanted to learn how to paint the sea at night"
+    ids = ref.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    want = [ref.generate(ids, max_new_tokens=10, temperature=0.8, seed=7 + i).text for i in range(3)]
+    before = _metric(url, "eagle2_prefix_cache_hit_tokens_total")
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=10, temperature=0.8, seed=7,
+                  n=3)
+    if stream:
+        texts = ["", "", ""]
+        for chunk in oai.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+    else:
+        r = oai.chat.completions.create(**kwargs)
+        texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+        assert r.usage.completion_tokens == sum(len(ref.generate(ids, max_new_tokens=10, temperature=0.8,
+                                                                 seed=7 + i).token_ids) for i in range(3))
+    assert texts == want
+    assert _metric(url, "eagle2_prefix_cache_hit_tokens_total") - before >= 2 * ((len(ids) - 1) // 16 * 16)
+
+
 def test_api_key(artifact):
     openai = pytest.importorskip("openai", reason="needs the openai package")
     pool, thread = _serve(artifact, workers=1, api_key="s3cret")
@@ -419,7 +443,7 @@ BAD = [
     ("prompt-wrong-type", COMPLETIONS, {"prompt": {"text": "a"}}, 400, "prompt", None),
     ("prompt-token-out-of-vocab", COMPLETIONS, {"prompt": [1, 10 ** 9]}, 400, "prompt", None),
     ("two-prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", None),
-    ("n-two", CHAT, {"messages": MESSAGES, "n": 2}, 400, "n", None),
+    ("n-too-many", CHAT, {"messages": MESSAGES, "n": 17}, 400, "n", None),
     ("top-logprobs-without-logprobs", CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("top-logprobs-too-many", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400,
      "top_logprobs", None),

@@ -196,9 +196,9 @@ async def generate(state: ServerState, request, chat: bool) -> Response:
         ids = await run_in_threadpool(completion_prompt, pool.tokenizer, req.prompt)
         max_tokens = req.max_tokens
     check_prompt(ids, max_tokens, pool.max_length, pool.vocab_size)
-    job = Job(ids, generation_kwargs(req, max_tokens), req.user, req.timeout)
-    shape = Shape(chat, req.model or state.model_id, pool.tokenizer, job.kwargs["logprobs"] is not None)
-    events = pool.run(job)
+    jobs = choices(req, ids, generation_kwargs(req, max_tokens))
+    shape = Shape(chat, req.model or state.model_id, pool.tokenizer, jobs[0].kwargs["logprobs"] is not None)
+    events = pool.run_choices(jobs)
     headers = {"X-Replica-Id": pool.replica}
     try:
         # Until the first event the request may be queued (or refused with 429); watching for a
@@ -207,70 +207,90 @@ async def generate(state: ServerState, request, chat: bool) -> Response:
     except BaseException:
         await events.aclose()
         raise
-    if first[0] == "error":            # nothing sent yet: still an HTTP status, even when streaming
+    if first[1][0] == "error":         # nothing sent yet: still an HTTP status, even when streaming
         await events.aclose()
-        raise worker_error(first[1])
+        raise worker_error(first[1][1])
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = stream_body(state, shape, first, events, len(ids), include_usage, endpoint, start)
-        return event_stream(body, headers, on_gone=job.cancel.set)
-    result = await until_disconnect(request, collect(first, events))
-    if isinstance(result, APIError):
-        raise result
+        body = stream_body(state, shape, first, events, len(jobs), len(ids), include_usage, endpoint, start)
+        return event_stream(body, headers, on_gone=lambda: [job.cancel.set() for job in jobs])
+    results = await until_disconnect(request, collect(first, events, len(jobs)))
+    if isinstance(results, APIError):
+        raise results
     state.metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
-    done(state, endpoint, len(ids), result, start)
-    return JSONResponse(shape.full(result, len(ids)), headers=headers)
+    done(state, endpoint, len(ids), results, start)
+    return JSONResponse(shape.full(results, len(ids)), headers=headers)
 
 
-async def collect(first, events) -> Result | APIError:
-    event = first
+def choices(req, ids: list[int], kwargs: dict) -> list[Job]:
+    """One job per choice (n); a seeded request's choices draw with seeds seed, seed + 1, ..."""
+    seed = kwargs["seed"]
+    return [Job(ids, {**kwargs, "seed": None if seed is None else seed + i}, req.user, req.timeout)
+            for i in range(req.n)]
+
+
+async def collect(first, events, n: int) -> list[Result] | APIError:
+    """Every choice's Result, or the first error."""
+    results: list[Result | None] = [None] * n
+    index, event = first
     try:
-        while event[0] == "delta":
-            event = await events.__anext__()
-        return event[1] if event[0] == "end" else worker_error(event[1])
+        while True:
+            if event[0] == "error":
+                return worker_error(event[1])
+            if event[0] == "end":
+                results[index] = event[1]
+                if all(r is not None for r in results):
+                    return results
+            index, event = await events.__anext__()
     finally:
         await events.aclose()
 
 
-def done(state: ServerState, endpoint, prompt_tokens, result: Result, start) -> None:
+def done(state: ServerState, endpoint, prompt_tokens, results: list[Result], start) -> None:
     state.served += 1
-    state.metrics.record(endpoint, prompt_tokens, result, time.perf_counter() - start)
+    for i, result in enumerate(results):  # the prompt counted once
+        state.metrics.record(endpoint, prompt_tokens if i == 0 else 0, result, time.perf_counter() - start)
 
 
-async def stream_body(state: ServerState, shape: Shape, first, events, prompt_tokens: int, include_usage: bool,
-                      endpoint, start):
-    """(chat: a role chunk), one chunk per text delta, a final chunk with the finish reason and the
-    eagle extension, (a usage chunk), then [DONE]. A worker error after the headers went out
-    becomes an error event, as OpenAI's API sends one."""
-    event, first_text, sent = first, True, 0  # sent: tokens whose logprobs went out
+async def stream_body(state: ServerState, shape: Shape, first, events, n: int, prompt_tokens: int,
+                      include_usage: bool, endpoint, start):
+    """(chat: a role chunk per choice), one chunk per text delta of a choice, a final chunk per choice
+    with its finish reason and eagle extension, (a usage chunk), then [DONE]. A worker error after the
+    headers went out becomes an error event, as OpenAI's API sends one."""
+    (index, event), first_text = first, True
+    sent, results = [0] * n, [None] * n  # sent: each choice's tokens whose logprobs went out
     try:
         if shape.chat:
-            yield sse(shape.chunk(text="", role=True))
+            for i in range(n):
+                yield sse(shape.chunk(text="", role=True, index=i))
         while True:
             if event[0] == "delta":
                 if first_text:
                     state.metrics.ttft.labels(endpoint).observe(time.perf_counter() - start)
                     first_text = False
-                sent += len(event[2])
-                yield sse(shape.chunk(text=event[1], logprobs=event[2] if shape.wants_logprobs else None))
+                sent[index] += len(event[2])
+                yield sse(shape.chunk(text=event[1], logprobs=event[2] if shape.wants_logprobs else None, index=index))
             elif event[0] == "end":
-                result = event[1]
+                result = results[index] = event[1]
                 # Tokens without text of their own (an end-of-turn token) get their logprobs here.
-                rest = result.logprobs[sent:] if result.logprobs is not None else None
-                final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason, logprobs=rest)
+                rest = result.logprobs[sent[index]:] if result.logprobs is not None else None
+                final = shape.chunk(text=None if shape.chat else "", finish_reason=result.finish_reason, logprobs=rest,
+                                    index=index)
                 final["eagle"] = result.eagle
-                if not include_usage:
-                    final["usage"] = usage(prompt_tokens, result)
+                ended = all(r is not None for r in results)
+                if ended and not include_usage:
+                    final["usage"] = usage(prompt_tokens, results)
                 yield sse(final)
-                if include_usage:
-                    yield sse(shape.usage_chunk(prompt_tokens, result))
-                yield SSE_DONE
-                done(state, endpoint, prompt_tokens, result, start)
-                return
+                if ended:
+                    if include_usage:
+                        yield sse(shape.usage_chunk(prompt_tokens, results))
+                    yield SSE_DONE
+                    done(state, endpoint, prompt_tokens, results, start)
+                    return
             else:
                 yield sse(worker_error(event[1]).body())
                 yield SSE_DONE
                 return
-            event = await events.__anext__()
+            index, event = await events.__anext__()
     finally:
         await events.aclose()

@@ -179,6 +179,41 @@ class WorkerPool:
         finally:
             job.cancel.set()           # no effect once finished; stops a generation nobody waits for
 
+    async def run_choices(self, jobs: list[Job]) -> AsyncIterator[tuple[int, tuple]]:
+        """(choice, event) of every job (n choices of one prompt): the first alone until its first event,
+        when its prompt is in the prefix cache for the others, then all side by side. Closing this
+        iterator early cancels every generation."""
+        first = self.run(jobs[0])
+        event = await first.__anext__()
+        yield 0, event
+        if event[0] == "error" or len(jobs) == 1:
+            async for event in first:
+                yield 0, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, events):
+            try:
+                async for e in events:
+                    await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+        tasks = [asyncio.create_task(pump(0, first))]
+        tasks += [asyncio.create_task(pump(i, self.run(job))) for i, job in enumerate(jobs[1:], 1)]
+        try:
+            running = len(tasks)
+            while running:
+                i, event = await queue.get()
+                if event is None:
+                    running -= 1
+                else:
+                    yield i, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            for job in jobs:
+                job.cancel.set()
+
     def _generate(self, worker: int, job: Job, emit) -> None:
         """Runs in a worker thread. Every outcome reaches the event loop as one final event, so the
         request's handler never waits for nothing."""

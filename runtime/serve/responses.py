@@ -24,11 +24,12 @@ def mark_gone(scope) -> None:
     scope.setdefault("state", {})["client_gone"] = True
 
 
-def usage(prompt_tokens: int, result: Result) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the reused prompt tokens."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": prompt_tokens + result.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+def usage(prompt_tokens: int, results: list[Result]) -> dict:
+    """OpenAI's usage object over every choice (the prompt counted once, as its first choice read it:
+    prompt_tokens_details.cached_tokens, the prompt tokens reused)."""
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}}
 
 
 class Shape:
@@ -39,9 +40,9 @@ class Shape:
         self.chat, self.model, self.tokenizer, self.wants_logprobs = chat, model, tokenizer, wants_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._bytes = b""                # of the tokens given logprobs so far (completions' text_offset)
+        self._bytes: dict[int, bytes] = {}  # each choice's tokens given logprobs so far (completions' text_offset)
 
-    def logprobs(self, entries: list | None) -> dict | None:
+    def logprobs(self, entries: list | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object for the next tokens: chat's {"content": [...]}, or completions'
         {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
         if entries is None:
@@ -51,9 +52,10 @@ class Shape:
                                  "top_logprobs": [self._token(i, lp) for i, lp in e.top]} for e in entries]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            out["text_offset"].append(len(self._bytes.decode("utf-8", errors="ignore")))
+            done = self._bytes.get(index, b"")
+            out["text_offset"].append(len(done.decode("utf-8", errors="ignore")))
             piece = self.tokenizer.token_bytes(e.token_id)
-            self._bytes += piece
+            self._bytes[index] = done + piece
             out["tokens"].append(piece.decode("utf-8", errors="replace"))
             out["token_logprobs"].append(e.logprob)
             out["top_logprobs"].append({self._token(i, lp)["token"]: lp for i, lp in e.top})
@@ -67,32 +69,38 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def full(self, result: Result, prompt_tokens: int) -> dict:
-        logprobs = self.logprobs(result.logprobs)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(prompt_tokens, result), "eagle": result.eagle}
+    def full(self, results: list[Result], prompt_tokens: int) -> dict:
+        """The answer with every choice; the eagle extension is the first choice's (n = 1: the answer's)."""
+        choices = []
+        for index, result in enumerate(results):
+            logprobs = self.logprobs(result.logprobs, index)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
+                                "logprobs": logprobs, "finish_reason": result.finish_reason})
+            else:
+                choices.append({"index": index, "text": result.text, "logprobs": logprobs,
+                                "finish_reason": result.finish_reason})
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(prompt_tokens, results), "eagle": results[0].eagle}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              logprobs: list | None = None) -> dict:
+              logprobs: list | None = None, index: int = 0) -> dict:
         if self.chat:
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs, index),
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs, index),
+                      "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, prompt_tokens: int, result: Result) -> dict:
+    def usage_chunk(self, prompt_tokens: int, results: list[Result]) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(prompt_tokens, result)}
+                "usage": usage(prompt_tokens, results)}
 
 
 def sse(obj) -> bytes:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 DEFAULT_MAX_TOKENS = 256       # when a request names no max_tokens
 RETRY_AFTER_S = 1              # what a 429 / 503 tells the client to wait
 MAX_STOPS = 16                 # OpenAI's own limit is 4; more costs nothing here
+MAX_CHOICES = 16               # n: choices of one request (OpenAI allows 128; each takes a slot)
 
 
 class APIError(Exception):
@@ -64,7 +65,7 @@ class Common(Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)       # OpenAI's default and range
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -103,7 +104,6 @@ class CompletionRequest(Common):
 # Any other value would change the answer in a way this server cannot honour: refused rather than
 # silently ignored.
 _ONLY = {
-    "n": ((1,), "n must be 1: this server returns one choice per request"),
     "best_of": ((1,), "best_of must be 1"),
     "echo": ((False,), "echo is not supported by this server"),
     "suffix": ((None, ""), "suffix is not supported by this server"),
