@@ -84,6 +84,7 @@ class Generator:
                 self.tree_defaults = dict(tuned["tree"])
         self.tree_defaults.setdefault("lookup", DEFAULT_LOOKUP)  # manifests and tunings that predate it
         self.prefix_cache = self._prefix_cache(prefix_cache_mb)
+        self._grammar = None               # runtime/constraints.GrammarTokenizer, made at first use
         self.scheduler: Scheduler | None = None
         if parallel > 1:
             # A fixed row budget is the caller's policy; otherwise the tuned load from which plain steps win.
@@ -170,13 +171,23 @@ class Generator:
         if self.scheduler is not None:
             self.scheduler.stop()
 
-    def _run(self, prompt, settings: Settings, cancel: threading.Event | None = None):
+    def constraint(self, json_schema):
+        """A grammar for one generation: json_schema True, any JSON object; a dict, that schema's JSON."""
+        if json_schema is None or json_schema is False:
+            return None
+        if self._grammar is None:
+            from .constraints import GrammarTokenizer
+            self._grammar = GrammarTokenizer(self.path / self.manifest["tokenizer"] / "tokenizer.json", self.vocab_size,
+                                             sorted(self.stop_ids))
+        return self._grammar.json(None if json_schema is True else json_schema)
+
+    def _run(self, prompt, settings: Settings, cancel: threading.Event | None = None, constraint=None):
         """A generator of (new token ids, decoder): the scheduler's when there is one (the generation
         is queued now), else one decoding in the caller's thread under the lock."""
         ids = self._prompt_ids(prompt)
         if self.scheduler is None:
-            return self._run_alone(ids, settings)
-        return self._receive(self.scheduler.submit(ids, settings, self.stop_ids), cancel)
+            return self._run_alone(ids, settings, constraint)
+        return self._receive(self.scheduler.submit(ids, settings, self.stop_ids, constraint), cancel)
 
     def _receive(self, request, cancel: threading.Event | None):
         """The scheduler's items for `request`; `cancel` is watched also while it waits for a slot
@@ -197,11 +208,11 @@ class Generator:
         finally:
             self.scheduler.cancel(request)  # no effect once it has ended; else it ends at its next step
 
-    def _run_alone(self, ids: list[int], settings: Settings):
+    def _run_alone(self, ids: list[int], settings: Settings, constraint=None):
         self._acquire()
         tokens = None
         try:
-            decoder = Decoder(self.engine, ids, settings, self.stop_ids)
+            decoder = Decoder(self.engine, ids, settings, self.stop_ids, constraint=constraint)
             tokens = decoder.tokens()
             for new in tokens:
                 yield new, decoder
@@ -243,7 +254,8 @@ class Generator:
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
                  lookup: int | None = None, temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
                  seed: int | None = None, stop: list[str] | str | None = None,
-                 cancel: threading.Event | None = None, logprobs: int | None = None) -> GenerationOutput:
+                 cancel: threading.Event | None = None, logprobs: int | None = None,
+                 json_schema: dict | bool | None = None) -> GenerationOutput:
         """Generate from a prompt string or token ids. speculative=None uses the head when there is one.
         total_tokens / depth / top_k shape the draft tree and `lookup` is the length of the
         prompt-lookup branch grafted onto it (0: none; None = the artifact's defaults);
@@ -251,11 +263,13 @@ class Generator:
         strings that end the reply (cut before them, finish_reason "stop"); `cancel`: an event
         that ends the generation at the next cycle (finish_reason "cancelled"); `logprobs`: each
         token's log-probability and that many most likely ones (0-20) in output.logprobs, from the
-        logits it was chosen from (a tree's verify step: what plain decoding computes)."""
+        logits it was chosen from (a tree's verify step: what plain decoding computes); `json_schema`:
+        the reply is JSON, any object (True) or the schema's (a dict), every token chosen under the
+        grammar's mask, trees included (runtime/constraints.py; needs llguidance)."""
         events = self.events(prompt, max_new_tokens=max_new_tokens, speculative=speculative,
                              total_tokens=total_tokens, depth=depth, top_k=top_k, lookup=lookup,
                              temperature=temperature, top_p=top_p, sampling_top_k=sampling_top_k, seed=seed,
-                             stop=stop, cancel=cancel, logprobs=logprobs)
+                             stop=stop, cancel=cancel, logprobs=logprobs, json_schema=json_schema)
         return self._drain(events)
 
     def generate_many(self, prompts: list, **kwargs) -> list[GenerationOutput]:
@@ -290,6 +304,7 @@ class Generator:
         back while it may be an incomplete character or the start of a stop string, so the deltas
         joined are always the output's text."""
         stop, cancel = kwargs.pop("stop", None), kwargs.pop("cancel", None)
+        constraint = self.constraint(kwargs.pop("json_schema", None))
         settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
                                   kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
                                   kwargs.pop("top_k", None), kwargs.pop("lookup", None), kwargs.pop("temperature", 0.0),
@@ -297,7 +312,7 @@ class Generator:
                                   kwargs.pop("logprobs", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
-        return self._events(self._run(prompt, settings, cancel), stop, cancel)
+        return self._events(self._run(prompt, settings, cancel, constraint), stop, cancel)
 
     def _events(self, run, stop, cancel):
         text = StreamDecoder(self.tokenizer)

@@ -37,6 +37,7 @@ class Request:
     prompt: list[int]
     settings: Settings
     stop_ids: set[int]
+    constraint: object = None          # a grammar for its tokens (runtime/constraints.py)
     tokens: queue.Queue = field(default_factory=queue.Queue)  # lists of new tokens, then an exception or FINISHED
     decoder: Decoder | None = None
     steps: object = None               # the decoder's steps() generator
@@ -72,11 +73,11 @@ class Scheduler:
         self.rows = 0            # rows of all the base steps run
 
     # --- requests ---------------------------------------------------------------------------
-    def submit(self, prompt: list[int], settings: Settings, stop_ids: set[int]) -> Request:
+    def submit(self, prompt: list[int], settings: Settings, stop_ids: set[int], constraint=None) -> Request:
         """Queue a generation; its token lists arrive on request.tokens. Bad settings and prompts
         raise here, in the caller's thread."""
         check_request(self.engine, prompt, settings)
-        request = Request(list(prompt), settings, stop_ids)
+        request = Request(list(prompt), settings, stop_ids, constraint)
         with self._lock:
             if self._stopping or self._dead:
                 raise RuntimeError(f"the scheduler is stopped{f': {self.fault}' if self.fault else ''}")
@@ -238,7 +239,8 @@ class Scheduler:
                 self._waiting.pop(0)
                 try:
                     r.decoder = Decoder(self.engine, r.prompt, r.settings, r.stop_ids, seq=seq,
-                                        speculate=None if r.settings.seeded_sampling else self._speculate)
+                                        speculate=None if r.settings.seeded_sampling else self._speculate,
+                                        constraint=r.constraint)
                 except Exception as e:  # settings this generation cannot run with (a bad seed, say)
                     self.engine.close_sequence(seq)
                     r.tokens.put(e)

@@ -130,10 +130,11 @@ class Decoder:
     and each tree's size before it goes on."""
 
     def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int],
-                 seq: Sequence | None = None, speculate=None):
+                 seq: Sequence | None = None, speculate=None, constraint=None):
         """speculate: asked before each cycle whether to draft a tree (a scheduler under load may
         find plain steps faster: runtime/batch.py); None, always. Either way greedy output is the
-        same, and sampled output keeps its distribution."""
+        same, and sampled output keeps its distribution. constraint: a grammar whose masks every row
+        a token is chosen from gets (runtime/constraints.py), a tree's rows each after its own path."""
         check_request(engine, prompt, settings)
         self.engine, self.prompt, self.s, self.stop_ids = engine, np.asarray(prompt, np.int64), settings, stop_ids
         self.rng = np.random.default_rng(settings.seed)
@@ -151,6 +152,7 @@ class Decoder:
         self.logprobs: list[tuple[float, np.ndarray, np.ndarray]] = []
         self.seq = seq or engine.solo
         self.speculate = speculate or (lambda: True)
+        self.constraint = constraint
         if seq is None:
             engine.start(len(prompt))
             for key in engine.timings:
@@ -255,7 +257,10 @@ class Decoder:
         logits = yield from self._prefill(hit.tokens)
         if logits is None:
             return
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         root = self._choose(logits)
+        self._constrain([root])
         context = len(self.prompt)
         self.stats.first_token_s = time.perf_counter() - self.stats.start
         self.sequence.append(root)
@@ -292,10 +297,13 @@ class Decoder:
             part = e.verify_rows(tree, context, self.seq)
             yield part
             logits = e.finish_verify(part)
+            if self.constraint is not None:
+                logits = self.constraint.mask_tree(tree, logits)
             accepted, bonus = self._accept(tree, logits)
             e.commit(accepted, context, seq=self.seq)
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
+            self._constrain(new)
             self.sequence += new
             self._kept = (context + len(accepted), drafted)
             yield from self._emit(new, _Rows(logits, accepted))
@@ -305,6 +313,13 @@ class Decoder:
                 unread += new
             context += len(accepted)
             root = bonus
+
+    def _constrain(self, tokens: list[int]) -> None:
+        """The grammar consumes new tokens, up to the first stop token (which ends it)."""
+        if self.constraint is None:
+            return
+        end = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
+        self.constraint.consume(tokens[:end])
 
     def _emit(self, tokens: list[int], rows):
         """Yield the tokens trimmed to max_new_tokens and the first stop token, setting finish_reason;
