@@ -84,11 +84,17 @@ class JsonConstraint:
             if self.matcher.validate_tokens(path) < len(path):
                 continue
             self.matcher.consume_tokens(path)
-            rows[node] = np.where(self.allowed(), rows[node], -np.inf)
+            allowed = self.allowed()
+            if allowed.any():  # else the path ended the grammar: this row, past its end, is never used
+                rows[node] = np.where(allowed, rows[node], -np.inf)
             self.matcher.rollback(len(path))
         return rows
 
     def consume(self, tokens: list[int]) -> None:
-        """Tokens chosen from masked rows (an end-of-sequence token ends the grammar)."""
-        if not self.matcher.consume_tokens([int(t) for t in tokens]):
-            raise RuntimeError(f"the grammar refused tokens it allowed: {self.matcher.get_error()}")
+        """Tokens chosen from masked rows. A complete value stops the grammar: only an end-of-sequence
+        token was allowed after it, and the generation ends there."""
+        for t in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(int(t)):
+                raise RuntimeError(f"the grammar refused a token it allowed: {self.matcher.get_error()}")

@@ -31,8 +31,9 @@ def small_vocab(tmp_path_factory):
     return ckpt, gen
 
 
-def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT):
-    """P(t1, t2, t3) [V, V, V] from the PyTorch twin, processed as the runtime processes logits."""
+def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT, allowed=None):
+    """P(t1, t2, t3) [V, V, V] from the PyTorch twin, processed as the runtime processes logits;
+    `allowed(after)`: a grammar's mask [V] of the tokens that may follow token `after`."""
     model = CausalLM(ckpt.cfg).eval()
     model.load_state_dict({k: v for k, v in ckpt.state.items() if k != "lm_head.weight"}, strict=False)
     model.lm_head.weight = torch.nn.Parameter(ckpt.state["lm_head.weight"])
@@ -41,11 +42,16 @@ def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT):
     with torch.no_grad():
         logits, _ = model(torch.from_numpy(seqs), torch.arange(n + 2).expand(len(seqs), -1),
                           causal_bias(n + 2), KVCache(ckpt.cfg, n + 2, batch=len(seqs)), 0)
-    logits = logits.numpy()
+    logits = logits.numpy().reshape(v, v, n + 2, v)
+    if allowed is not None:
+        masks = np.stack([allowed(t) for t in range(v)])  # [after, next]
+        logits[:, :, n - 1] = np.where(masks[prompt[-1]], logits[:, :, n - 1], -np.inf)
+        logits[:, :, n] = np.where(masks[:, None, :], logits[:, :, n], -np.inf)
+        logits[:, :, n + 1] = np.where(masks[None, :, :], logits[:, :, n + 1], -np.inf)
     p = lambda x: process_logits(x, temperature, top_k, top_p)
-    p1 = p(logits[0, n - 1])
-    p2 = p(logits.reshape(v, v, n + 2, v)[:, 0, n])          # [t1, t2]
-    p3 = p(logits.reshape(v, v, n + 2, v)[:, :, n + 1])      # [t1, t2, t3]
+    p1 = p(logits[0, 0, n - 1])
+    p2 = p(logits[:, 0, n])          # [t1, t2]
+    p3 = p(logits[:, :, n + 1])      # [t1, t2, t3]
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -100,6 +106,51 @@ def test_lookup_branches_sample_the_base_distribution(small_vocab, monkeypatch):
     prompt = np.random.default_rng(0).permutation(VOCAB).tolist()
     exact = exact_distribution(ckpt, 1.0, 1.0, 0, prompt)
     assert pvalue(draw(gen, DRAWS, 1.0, 1.0, 0, tree=(3, 0, 2), prompt=prompt, lookup=3), exact) > ALPHA
+
+
+class ForbidAfter:
+    """A grammar over the small vocabulary: token t may not follow s where (s + t) % 3 == 0, with the
+    methods the runtime asks of a constraint (runtime/constraints.JsonConstraint's)."""
+
+    def __init__(self, last: int):
+        self.last = last
+
+    @staticmethod
+    def allowed(after: int) -> np.ndarray:
+        return (after + np.arange(VOCAB)) % 3 != 0
+
+    def mask(self, row):
+        return np.where(self.allowed(self.last), np.asarray(row, np.float32), -np.inf).astype(np.float32)
+
+    def mask_tree(self, tree, logits):
+        rows = np.array(logits[:len(tree.tokens)], np.float32)
+        for node in range(len(rows)):
+            path, u = [], node
+            while u > 0:
+                path.append(int(tree.tokens[u]))
+                u = int(tree.parents[u])
+            states = [self.last] + path[::-1]
+            if all(self.allowed(a)[b] for a, b in zip(states, states[1:])):
+                rows[node] = np.where(self.allowed(states[-1]), rows[node], -np.inf)
+        return rows
+
+    def consume(self, tokens):
+        for t in tokens:
+            assert self.allowed(self.last)[t], "a token the grammar forbids was chosen"
+            self.last = t
+
+
+def test_speculative_sampling_keeps_a_grammars_distribution(small_vocab):
+    """Each tree row masked after its own path (runtime/constraints.py's rule): the first three tokens
+    follow the base's distribution masked by the grammar at each position."""
+    ckpt, gen = small_vocab
+    exact = exact_distribution(ckpt, 1.0, 1.0, 0, allowed=ForbidAfter.allowed)
+    counts = np.zeros((VOCAB,) * 3)
+    for seed in range(DRAWS):
+        settings = generation.Settings(max_new_tokens=3, temperature=1.0, seed=seed, total_tokens=8, depth=3, top_k=3)
+        decoder = generation.Decoder(gen.engine, PROMPT, settings, set(), constraint=ForbidAfter(PROMPT[-1]))
+        counts[tuple(t for new in decoder.tokens() for t in new)] += 1
+    assert pvalue(counts, exact) > ALPHA
 
 
 def accept_without_rejection(tree, probs, rng):

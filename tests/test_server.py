@@ -7,6 +7,7 @@ settings. Process-level behaviour (SIGTERM, load) is in test_server_load.py.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -391,6 +392,27 @@ def test_n_choices_share_the_prompt_and_each_is_the_runtimes(url, oai, ref, stre
     assert _metric(url, "eagle2_prefix_cache_hit_tokens_total") - before >= 2 * ((len(ids) - 1) // 16 * 16)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_format_json_schema(oai, ref, stream):
+    pytest.importorskip("llguidance", reason="structured output needs llguidance: bash ci/install_serve.sh")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}})
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    else:
+        text = oai.chat.completions.create(**kwargs).choices[0].message.content
+    assert text == ref.generate(chat_ids(ref), max_new_tokens=40, json_schema=schema).text
+    value = json.loads(text)
+    assert isinstance(value["ok"], bool) and value["n"] in (1, 2)
+    any_object = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                             response_format={"type": "json_object"}).choices[0].message.content
+    assert any_object == ref.generate(chat_ids(ref), max_new_tokens=12, json_schema=True).text
+    assert any_object.startswith("{")
+
+
 def test_api_key(artifact):
     openai = pytest.importorskip("openai", reason="needs the openai package")
     pool, thread = _serve(artifact, workers=1, api_key="s3cret")
@@ -451,8 +473,10 @@ BAD = [
     ("unknown-argument", CHAT, {"messages": MESSAGES, "temprature": 0}, 400, "temprature", "unknown_parameter"),
     ("unknown-argument-completions", COMPLETIONS, {"prompt": "a", "guided_json": {}}, 400, "guided_json",
      "unknown_parameter"),
-    ("response-format-json", CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "unsupported_value"),
+    ("response-format-xml", CHAT, {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
+     "response_format", "invalid_value"),
+    ("response-format-schema-missing", CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400,
+     "response_format", "invalid_value"),
     ("top-k", CHAT, {"messages": MESSAGES, "top_k": 5}, 400, "top_k", "unsupported_value"),
     ("min-p", COMPLETIONS, {"prompt": "a", "min_p": 0.1}, 400, "min_p", "unsupported_value"),
     ("repetition-penalty", CHAT, {"messages": MESSAGES, "repetition_penalty": 1.2}, 400, "repetition_penalty",

@@ -113,7 +113,6 @@ _ONLY = {
     "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported by this server (tools are not)"),
     "presence_penalty": ((0.0,), "presence_penalty is not supported by this server (only 0)"),
     "frequency_penalty": ((0.0,), "frequency_penalty is not supported by this server (only 0)"),
-    "response_format": ((None, {"type": "text"}), "response_format is not supported by this server (only text)"),
     "top_k": ((None, 0, -1), "top_k is not supported by this server (only 0 or -1: all tokens)"),
     "min_p": ((None, 0.0), "min_p is not supported by this server (only 0)"),
     "repetition_penalty": ((None, 1.0), "repetition_penalty is not supported by this server (only 1)"),
@@ -202,7 +201,24 @@ def generation_kwargs(req, max_tokens: int | None) -> dict:
     if len(stops) > MAX_STOPS or any(not s for s in stops):
         raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings", param="stop")
     return dict(max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
-                seed=req.seed, stop=stops, logprobs=requested_logprobs(req))
+                seed=req.seed, stop=stops, logprobs=requested_logprobs(req), json_schema=requested_json(req))
+
+
+def requested_json(req) -> dict | bool | None:
+    """response_format as the runtime's json_schema: None (text), True (any JSON object), a schema."""
+    fmt = req.response_format
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text" and set(fmt or {}) <= {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return True
+    spec = fmt.get("json_schema")
+    if kind == "json_schema" and set(fmt) == {"type", "json_schema"} and isinstance(spec, dict) \
+            and isinstance(spec.get("schema"), dict) and set(spec) <= {"name", "schema", "strict", "description"}:
+        return spec["schema"]
+    raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}, \"strict\": ...}}",
+                   param="response_format", code="invalid_value")
 
 
 def requested_logprobs(req) -> int | None:
