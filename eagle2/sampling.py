@@ -14,16 +14,18 @@ def _softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _check_args(temperature, top_k, top_p):
+def _check_args(temperature, top_k, top_p, min_p=0.0):
     if not (np.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0 (greedy decoding is separate), got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
     if not (0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
+    if not (0 <= min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p!r}")
 
 
-def process_logits(logits, temperature, top_k=0, top_p=1.0):
+def process_logits(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
     """Turn logits [..., V] into sampling probabilities [..., V] (float64).
 
     Same order and semantics as transformers' generate() warpers:
@@ -36,9 +38,11 @@ def process_logits(logits, temperature, top_k=0, top_p=1.0):
        Tied logits are ordered by vocabulary index (stable sort: the lower
        index counts as less probable and is dropped first); torch.sort leaves
        that order unspecified, so only exact ties at the cut can differ.
+    4. min-p (MinPLogitsWarper): drop tokens less probable than min_p times the
+       most probable one.
     The result is a softmax over the surviving logits, computed in float64.
     """
-    _check_args(temperature, top_k, top_p)
+    _check_args(temperature, top_k, top_p, min_p)
     x = np.asarray(logits, dtype=np.float64)
     if x.ndim == 0 or x.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {x.shape}")
@@ -54,7 +58,10 @@ def process_logits(logits, temperature, top_k=0, top_p=1.0):
         drop = _top_p_drop_row(x, probs, top_p) if x.ndim == 1 else None
         if drop is None:
             drop = _top_p_drop(x, probs, top_p)
-        probs = _softmax(np.where(drop, -np.inf, x))
+        x = np.where(drop, -np.inf, x)
+        probs = _softmax(x)
+    if min_p > 0:
+        probs = _softmax(np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, x))
     return probs
 
 

@@ -139,12 +139,12 @@ class Generator:
         return {name: self.tree_defaults[name] if v is None else v for name, v in chosen.items()}
 
     def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, lookup, temperature, top_p,
-                  sampling_top_k, seed, logprobs) -> Settings:
+                  sampling_top_k, min_p, seed, logprobs) -> Settings:
         if speculative is None:
             speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
                         **self.tree(total_tokens, depth, top_k, lookup), temperature=temperature, top_p=top_p,
-                        sampling_top_k=sampling_top_k, seed=seed, logprobs=logprobs)
+                        sampling_top_k=sampling_top_k, min_p=min_p, seed=seed, logprobs=logprobs)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -253,13 +253,13 @@ class Generator:
     def generate(self, prompt, max_new_tokens: int = 256, speculative: bool | None = None,
                  total_tokens: int | None = None, depth: int | None = None, top_k: int | None = None,
                  lookup: int | None = None, temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
-                 seed: int | None = None, stop: list[str] | str | None = None,
+                 min_p: float = 0.0, seed: int | None = None, stop: list[str] | str | None = None,
                  cancel: threading.Event | None = None, logprobs: int | None = None,
                  json_schema: dict | bool | None = None) -> GenerationOutput:
         """Generate from a prompt string or token ids. speculative=None uses the head when there is one.
         total_tokens / depth / top_k shape the draft tree and `lookup` is the length of the
         prompt-lookup branch grafted onto it (0: none; None = the artifact's defaults);
-        temperature > 0 samples (with top_p and sampling_top_k), losslessly in both modes. `stop`:
+        temperature > 0 samples (with top_p, sampling_top_k and min_p), losslessly in both modes. `stop`:
         strings that end the reply (cut before them, finish_reason "stop"); `cancel`: an event
         that ends the generation at the next cycle (finish_reason "cancelled"); `logprobs`: each
         token's log-probability and that many most likely ones (0-20) in output.logprobs, from the
@@ -268,7 +268,7 @@ class Generator:
         grammar's mask, trees included (runtime/constraints.py; needs llguidance)."""
         events = self.events(prompt, max_new_tokens=max_new_tokens, speculative=speculative,
                              total_tokens=total_tokens, depth=depth, top_k=top_k, lookup=lookup,
-                             temperature=temperature, top_p=top_p, sampling_top_k=sampling_top_k, seed=seed,
+                             temperature=temperature, top_p=top_p, sampling_top_k=sampling_top_k, min_p=min_p, seed=seed,
                              stop=stop, cancel=cancel, logprobs=logprobs, json_schema=json_schema)
         return self._drain(events)
 
@@ -308,7 +308,8 @@ class Generator:
         settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
                                   kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
                                   kwargs.pop("top_k", None), kwargs.pop("lookup", None), kwargs.pop("temperature", 0.0),
-                                  kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("seed", None),
+                                  kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("min_p", 0.0),
+                                  kwargs.pop("seed", None),
                                   kwargs.pop("logprobs", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")

@@ -57,6 +57,7 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     sampling_top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # each token's log-probability and this many most likely ones (None: none)
 
@@ -78,6 +79,8 @@ class Settings:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
@@ -161,14 +164,15 @@ class Decoder:
     def _choose(self, logits: np.ndarray) -> int:
         if self.s.temperature == 0:
             return int(logits.argmax())
-        return sample(process_logits(logits, self.s.temperature, self.s.sampling_top_k, self.s.top_p), self.rng)
+        return sample(process_logits(logits, self.s.temperature, self.s.sampling_top_k, self.s.top_p, self.s.min_p),
+                      self.rng)
 
     def _accept(self, tree, logits):
         if self.s.temperature == 0:
             return accept_greedy(tree, logits[: len(tree.tokens)].argmax(-1))
         # Only the rows the walk visits are processed (top-p sorts the vocabulary).
         return accept_sampling(tree, lambda node: process_logits(
-            logits[node], self.s.temperature, self.s.sampling_top_k, self.s.top_p), self.rng)
+            logits[node], self.s.temperature, self.s.sampling_top_k, self.s.top_p, self.s.min_p), self.rng)
 
     def _reuse(self) -> Hit:
         """The prompt's stored prefix, copied into this sequence's caches (runtime/prefix_cache.py)."""

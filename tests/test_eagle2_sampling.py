@@ -105,12 +105,14 @@ def test_matches_transformers_warpers():
     )
     rng = np.random.default_rng(7)
     # rounded logits tie at the top-k boundary; top-p cases stay tie-free (torch's sort order is unspecified)
-    for temperature, top_k, top_p, rounded in [
-        (1.0, 0, 0.9, False),
-        (0.6, 10, 1.0, True),
-        (1.3, 20, 0.8, False),
-        (0.7, 5, 0.5, False),
-        (1.0, 0, 0.3, False),
+    for temperature, top_k, top_p, min_p, rounded in [
+        (1.0, 0, 0.9, 0.0, False),
+        (0.6, 10, 1.0, 0.0, True),
+        (1.3, 20, 0.8, 0.0, False),
+        (0.7, 5, 0.5, 0.0, False),
+        (1.0, 0, 0.3, 0.0, False),
+        (1.0, 0, 1.0, 0.1, False),
+        (0.8, 10, 0.9, 0.05, False),
     ]:
         logits = 2 * rng.normal(size=(16, 50))
         logits = np.round(logits) if rounded else logits
@@ -120,10 +122,12 @@ def test_matches_transformers_warpers():
             warpers.append(logits_process.TopKLogitsWarper(top_k))
         if top_p < 1.0:
             warpers.append(logits_process.TopPLogitsWarper(top_p))
+        if min_p > 0:
+            warpers.append(logits_process.MinPLogitsWarper(min_p))
         for warper in warpers:
             scores = warper(None, scores)
         expected = torch.softmax(scores, dim=-1).numpy()
-        probs = process_logits(logits, temperature, top_k=top_k, top_p=top_p)
+        probs = process_logits(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         np.testing.assert_allclose(probs, expected, rtol=1e-12, atol=1e-15)
 
 

@@ -31,7 +31,7 @@ def small_vocab(tmp_path_factory):
     return ckpt, gen
 
 
-def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT, allowed=None):
+def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT, allowed=None, min_p=0.0):
     """P(t1, t2, t3) [V, V, V] from the PyTorch twin, processed as the runtime processes logits;
     `allowed(after)`: a grammar's mask [V] of the tokens that may follow token `after`."""
     model = CausalLM(ckpt.cfg).eval()
@@ -48,19 +48,20 @@ def exact_distribution(ckpt, temperature, top_p, top_k, prompt=PROMPT, allowed=N
         logits[:, :, n - 1] = np.where(masks[prompt[-1]], logits[:, :, n - 1], -np.inf)
         logits[:, :, n] = np.where(masks[:, None, :], logits[:, :, n], -np.inf)
         logits[:, :, n + 1] = np.where(masks[None, :, :], logits[:, :, n + 1], -np.inf)
-    p = lambda x: process_logits(x, temperature, top_k, top_p)
+    p = lambda x: process_logits(x, temperature, top_k, top_p, min_p)
     p1 = p(logits[0, 0, n - 1])
     p2 = p(logits[:, 0, n])          # [t1, t2]
     p3 = p(logits[:, :, n + 1])      # [t1, t2, t3]
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def draw(gen, n, temperature, top_p, top_k, tree=(8, 3, 3), prompt=PROMPT, lookup=0):
+def draw(gen, n, temperature, top_p, top_k, tree=(8, 3, 3), prompt=PROMPT, lookup=0, min_p=0.0):
     counts = np.zeros((VOCAB,) * 3)
     total_tokens, depth, branching = tree
     for seed in range(n):
         out = gen.generate(prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, sampling_top_k=top_k,
-                           seed=seed, total_tokens=total_tokens, depth=depth, top_k=branching, lookup=lookup)
+                           min_p=min_p, seed=seed, total_tokens=total_tokens, depth=depth, top_k=branching,
+                           lookup=lookup)
         counts[tuple(out.token_ids)] += 1
     return counts
 
@@ -89,6 +90,12 @@ def test_speculative_sampling_matches_the_base_distribution(small_vocab, tempera
     exact = exact_distribution(ckpt, temperature, top_p, top_k)
     counts = draw(gen, DRAWS, temperature, top_p, top_k)
     assert pvalue(counts, exact) > ALPHA
+
+
+def test_speculative_sampling_with_min_p_matches_the_base_distribution(small_vocab):
+    ckpt, gen = small_vocab
+    exact = exact_distribution(ckpt, 0.8, 1.0, 0, min_p=0.1)
+    assert pvalue(draw(gen, DRAWS, 0.8, 1.0, 0, min_p=0.1), exact) > ALPHA
 
 
 def test_depth_zero_trees_sample_the_base_distribution(small_vocab):
@@ -171,7 +178,7 @@ def test_the_test_rejects_a_verifier_without_rejection(small_vocab, monkeypatch)
 
 def test_the_test_rejects_ignoring_top_p(small_vocab, monkeypatch):
     ckpt, gen = small_vocab
-    monkeypatch.setattr(generation, "process_logits", lambda x, t, k, p: process_logits(x, t, k, 1.0))
+    monkeypatch.setattr(generation, "process_logits", lambda x, t, k, p, m: process_logits(x, t, k, 1.0, m))
     exact = exact_distribution(ckpt, 1.0, 0.9, 0)
     assert pvalue(draw(gen, DRAWS // 3, 1.0, 0.9, 0), exact) < ALPHA
 

@@ -413,6 +413,13 @@ def test_response_format_json_schema(oai, ref, stream):
     assert any_object.startswith("{")
 
 
+def test_top_k_and_min_p_are_the_runtimes(url, ref):
+    prompt = list(range(5, 30))
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "seed": 4, "top_k": 5, "min_p": 0.05}
+    text = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+    assert text == ref.generate(prompt, max_new_tokens=12, temperature=0.9, seed=4, sampling_top_k=5, min_p=0.05).text
+
+
 def test_api_key(artifact):
     openai = pytest.importorskip("openai", reason="needs the openai package")
     pool, thread = _serve(artifact, workers=1, api_key="s3cret")
@@ -477,8 +484,8 @@ BAD = [
      "response_format", "invalid_value"),
     ("response-format-schema-missing", CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400,
      "response_format", "invalid_value"),
-    ("top-k", CHAT, {"messages": MESSAGES, "top_k": 5}, 400, "top_k", "unsupported_value"),
-    ("min-p", COMPLETIONS, {"prompt": "a", "min_p": 0.1}, 400, "min_p", "unsupported_value"),
+    ("top-k-negative", CHAT, {"messages": MESSAGES, "top_k": -2}, 400, "top_k", None),
+    ("min-p-above-one", COMPLETIONS, {"prompt": "a", "min_p": 1.5}, 400, "min_p", None),
     ("repetition-penalty", CHAT, {"messages": MESSAGES, "repetition_penalty": 1.2}, 400, "repetition_penalty",
      "unsupported_value"),
     ("tool-choice", CHAT, {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice", "unsupported_value"),

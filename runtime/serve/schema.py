@@ -78,8 +78,8 @@ class Common(Request):
     timeout: float | None = Field(None, gt=0)  # seconds the request may take (this server's extension)
     response_format: dict | None = None
     # Sampling arguments other OpenAI-compatible servers take (vLLM, llama.cpp's server)
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: int | None = Field(None, ge=-1)              # -1 and 0: every token
+    min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = None
 
 
@@ -113,8 +113,6 @@ _ONLY = {
     "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported by this server (tools are not)"),
     "presence_penalty": ((0.0,), "presence_penalty is not supported by this server (only 0)"),
     "frequency_penalty": ((0.0,), "frequency_penalty is not supported by this server (only 0)"),
-    "top_k": ((None, 0, -1), "top_k is not supported by this server (only 0 or -1: all tokens)"),
-    "min_p": ((None, 0.0), "min_p is not supported by this server (only 0)"),
     "repetition_penalty": ((None, 1.0), "repetition_penalty is not supported by this server (only 1)"),
 }
 
@@ -201,7 +199,8 @@ def generation_kwargs(req, max_tokens: int | None) -> dict:
     if len(stops) > MAX_STOPS or any(not s for s in stops):
         raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings", param="stop")
     return dict(max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=req.temperature, top_p=req.top_p,
-                seed=req.seed, stop=stops, logprobs=requested_logprobs(req), json_schema=requested_json(req))
+                seed=req.seed, stop=stops, logprobs=requested_logprobs(req), json_schema=requested_json(req),
+                sampling_top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0)
 
 
 def requested_json(req) -> dict | bool | None:
