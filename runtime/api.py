@@ -138,8 +138,10 @@ class Generator:
         chosen = {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "lookup": lookup}
         return {name: self.tree_defaults[name] if v is None else v for name, v in chosen.items()}
 
-    def _settings(self, max_new_tokens, speculative, total_tokens, depth, top_k, lookup, temperature, top_p,
-                  sampling_top_k, min_p, seed, logprobs) -> Settings:
+    def _settings(self, max_new_tokens: int = 256, speculative: bool | None = None, total_tokens=None, depth=None,
+                  top_k=None, lookup=None, temperature: float = 0.0, top_p: float = 1.0, sampling_top_k: int = 0,
+                  min_p: float = 0.0, seed: int | None = None, logprobs: int | None = None) -> Settings:
+        """The Settings of a call with these arguments (None: the defaults this Generator chose)."""
         if speculative is None:
             speculative = self.speculative_default
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
@@ -300,19 +302,12 @@ class Generator:
 
     def events(self, prompt, **kwargs):
         """Yield an Event (text delta, new token ids, their log-probabilities with logprobs=k) per
-        decoding cycle, the same keyword arguments as generate(); return the GenerationOutput. Closing it early ends the generation. Text is held
-        back while it may be an incomplete character or the start of a stop string, so the deltas
-        joined are always the output's text."""
+        decoding cycle, the same keyword arguments as generate(); return the GenerationOutput.
+        Closing it early ends the generation. Text is held back while it may be an incomplete
+        character or the start of a stop string, so the deltas joined are always the output's text."""
         stop, cancel = kwargs.pop("stop", None), kwargs.pop("cancel", None)
         constraint = self.constraint(kwargs.pop("json_schema", None))
-        settings = self._settings(kwargs.pop("max_new_tokens", 256), kwargs.pop("speculative", None),
-                                  kwargs.pop("total_tokens", None), kwargs.pop("depth", None),
-                                  kwargs.pop("top_k", None), kwargs.pop("lookup", None), kwargs.pop("temperature", 0.0),
-                                  kwargs.pop("top_p", 1.0), kwargs.pop("sampling_top_k", 0), kwargs.pop("min_p", 0.0),
-                                  kwargs.pop("seed", None),
-                                  kwargs.pop("logprobs", None))
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+        settings = self._settings(**kwargs)  # an argument it does not know raises TypeError naming it
         return self._events(self._run(prompt, settings, cancel, constraint), stop, cancel)
 
     def _events(self, run, stop, cancel):

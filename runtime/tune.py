@@ -73,7 +73,7 @@ def acceptance(gen, prompts: list[list[int]], depth: int, top_k: int, max_new: i
                max_total: int = MAX_TOTAL) -> dict:
     """tau for every tree size up to max_total of this (depth, top_k), and the draft and host seconds
     per cycle."""
-    s = gen._settings(max_new, True, max_total, depth, top_k, 0, 0.0, 1.0, 0, None)
+    s = gen._settings(max_new, True, max_total, depth, top_k, lookup=0)
     taus, cycles, draft, host = np.zeros(max_total + 1), 0, 0.0, 0.0
     for ids in prompts:
         dec = RecordingDecoder(gen.engine, ids, s, gen.stop_ids)

@@ -51,3 +51,28 @@ def test_an_artifact_loads_at_its_full_length_here(tiny_artifact):
         assert len(out.token_ids) == 8
     finally:
         gen.close()
+
+
+MEASURE = """
+import re, sys, runtime
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+path, parallel = sys.argv[1], int(sys.argv[2])
+runtime.load(path, prefix_cache_mb=0).generate([5, 6, 7], max_new_tokens=2)  # libraries and arenas in place
+before = rss()
+gen = runtime.load(path, parallel=parallel, prefix_cache_mb=0)
+gen.generate_many([[5, 6, 7]] * parallel, max_new_tokens=4)
+print(rss() - before)
+gen.close()
+"""
+
+
+def test_cache_memory_is_taken_as_sequences_grow(tiny_artifact):
+    """Eight sequence slots of 8,192 positions would hold about 200 MB of caches, features and bias
+    buffers if they were touched up front; short generations touch a few MB."""
+    import subprocess
+    import sys
+    path = tiny_artifact("tiny-llama", "fp32", max_length=8192)
+    grown = [int(subprocess.run([sys.executable, "-c", MEASURE, str(path), str(n)], capture_output=True, text=True,
+                                check=True).stdout.split()[-1]) for n in (1, 8)]
+    assert grown[1] - grown[0] < 48 * 2**20, f"RSS grew {grown[0] >> 20} MiB for 1 slot, {grown[1] >> 20} MiB for 8"

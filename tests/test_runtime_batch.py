@@ -278,7 +278,7 @@ def test_cycles_without_a_tree_leave_the_head_exact(tmp_path):
                 log=lambda m: None)
     gen = runtime.load(tmp_path / "a")
     prompt = gen.tokenizer.encode(PROMPTS[0])
-    settings = gen._settings(60, True, 8, 3, 2, 4, 0.0, 1.0, 0, None)
+    settings = gen._settings(60, True, 8, 3, 2, lookup=4)
     always = RecordingDecoder(gen.engine, prompt, settings, gen.stop_ids)
     want = [t for part in always.tokens() for t in part]
     cycles = iter([True, False, False, True, False, True, True, False, False, False] * 20)
