@@ -200,17 +200,18 @@ class Engine:
         cache, b = self.prefix, self.prefix.block_tokens
         keys = cache.keys(tokens[:context])
         wanted = cache.missing(keys, drafted if self.draft is not None else 0)
-        if not wanted:
-            cache.insert(keys, {})
-            return
         base = self.base.cache_arrays()
         draft = self.draft.cache_arrays() if self.draft is not None else []
         blocks = {}
-        for i, key, with_draft in wanted:
+        for i, key, with_draft, stored in wanted:
             s, e = i * b, (i + 1) * b
-            blocks[key] = Block(key, [np.array(a[seq.slot][:, s:e]) for a in base], np.array(seq.features[s:e]),
-                                [np.array(a[seq.slot][:, max(s - 1, 0):e - 1]) for a in draft] if with_draft else None)
-        cache.insert(keys, blocks)
+            head = [np.array(a[seq.slot][:, max(s - 1, 0):e - 1]) for a in draft] if with_draft else None
+            if stored is not None:  # its base part stored already (at prefill): add the head's rows
+                blocks[key] = Block(key, stored.base, stored.features, head)
+            else:
+                blocks[key] = Block(key, [np.array(a[seq.slot][:, s:e]) for a in base], np.array(seq.features[s:e]),
+                                    head)
+        cache.insert(keys, blocks)  # with nothing new, it marks the chain used
 
     # --- sequences --------------------------------------------------------------------------
     def open_sequence(self) -> Sequence:

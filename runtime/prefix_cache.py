@@ -101,9 +101,10 @@ class PrefixCache:
             self.prompt_tokens += len(prompt)
         return hit
 
-    def missing(self, keys: list[bytes], drafted: int) -> list[tuple[int, bytes, bool]]:
-        """(index, key, with the head's K/V) of the blocks of a chain to copy out: those not stored, and
-        stored ones without the head's K/V where blocks within `drafted` tokens have it now."""
+    def missing(self, keys: list[bytes], drafted: int) -> list[tuple[int, bytes, bool, Block | None]]:
+        """(index, key, with the head's K/V, the block stored now) of the blocks of a chain to copy out:
+        those not stored, and stored ones without the head's K/V where blocks within `drafted` tokens
+        have it now (their base part, the same bits, need not be copied again)."""
         b = self.block_tokens
         with self._lock:
             wanted = []
@@ -111,7 +112,7 @@ class PrefixCache:
                 block = self._blocks.get(key)
                 draft = (i + 1) * b <= drafted
                 if block is None or (draft and block.draft is None):
-                    wanted.append((i, key, draft))
+                    wanted.append((i, key, draft, block))
             return wanted
 
     def insert(self, keys: list[bytes], blocks: dict[bytes, Block]) -> None:

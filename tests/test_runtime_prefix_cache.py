@@ -225,7 +225,8 @@ def test_a_lookup_leaves_the_last_token_and_counts_head_rows_only_as_far_as_stor
     cache.insert(keys, {k: block(k, 10, draft=i < 2) for i, k in enumerate(keys)})
     hit = cache.lookup(tokens)
     assert (hit.tokens, hit.draft_tokens) == (12, 8)
-    assert [i for i, _, _ in cache.missing(keys, drafted=16)] == [2, 3]  # now with the head's rows
+    wanted = cache.missing(keys, drafted=16)  # now with the head's rows
+    assert [(i, stored) for i, _, _, stored in wanted] == [(2, cache._blocks[keys[2]]), (3, cache._blocks[keys[3]])]
     assert cache.missing(keys, drafted=8) == []
 
 
