@@ -16,6 +16,7 @@ from .engine import Engine
 from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
 from .prefix_cache import PrefixCache, default_budget_bytes
 from .providers import check_provider
+from .step_costs import load_or_probe
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
 from .tuning import plain_from, read_tuning
 
@@ -59,7 +60,8 @@ class Generator:
 
     def __init__(self, path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
                  verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None,
-                 parallel: int = 1, row_budget: int | None = None, prefix_cache_mb: float | None = None):
+                 parallel: int = 1, row_budget: int | None = None, prefix_cache_mb: float | None = None,
+                 size_trees: bool = True):
         check_provider(provider)
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
@@ -83,6 +85,9 @@ class Generator:
             else:
                 self.tree_defaults = dict(tuned["tree"])
         self.tree_defaults.setdefault("lookup", DEFAULT_LOOKUP)  # manifests and tunings that predate it
+        # Calls that name no tree get the default tree sized each cycle by this machine's step costs.
+        self.step_costs = (load_or_probe(self.path, provider, self.engine)
+                           if size_trees and self.speculative_default else None)
         self.prefix_cache = self._prefix_cache(prefix_cache_mb)
         self._grammar = None               # runtime/constraints.GrammarTokenizer, made at first use
         self.scheduler: Scheduler | None = None
@@ -129,6 +134,8 @@ class Generator:
         if not self.speculative_default:
             return f"plain decoding ({self.tree_source})" if self.engine.draft is not None else "plain decoding (no head)"
         tree = f"EAGLE-2 tree {tree_label(self.tree_defaults)} ({self.tree_source})"
+        if self.step_costs is not None:
+            tree += f", sized each cycle by {self.step_costs.describe()}"
         if self.scheduler is not None and self.scheduler.plain_from:
             tree += f"; plain steps from {self.scheduler.plain_from} generations side by side (runtime tune --batch)"
         return tree
@@ -144,9 +151,12 @@ class Generator:
         """The Settings of a call with these arguments (None: the defaults this Generator chose)."""
         if speculative is None:
             speculative = self.speculative_default
+        # A seeded sampled reply draws what it draws with its tree: only fixed trees repeat it anywhere.
+        named = (total_tokens, depth, top_k, lookup) != (None,) * 4 or (temperature > 0 and seed is not None)
         return Settings(max_new_tokens=max_new_tokens, speculative=speculative,
                         **self.tree(total_tokens, depth, top_k, lookup), temperature=temperature, top_p=top_p,
-                        sampling_top_k=sampling_top_k, min_p=min_p, seed=seed, logprobs=logprobs)
+                        sampling_top_k=sampling_top_k, min_p=min_p, seed=seed, logprobs=logprobs,
+                        sizing=None if named else self.step_costs)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -370,7 +380,8 @@ class Generator:
 
 def load(path, provider: str = "cpu", max_length: int | None = None, threads: int | None = None,
          verify_checksums: bool = True, device: str = "cpu", provider_options: dict | None = None,
-         parallel: int = 1, row_budget: int | None = None, prefix_cache_mb: float | None = None) -> Generator:
+         parallel: int = 1, row_budget: int | None = None, prefix_cache_mb: float | None = None,
+         size_trees: bool = True) -> Generator:
     """Load an artifact directory made by `python -m export`. provider: cpu, cuda or openvino (ONNX
     Runtime) for ONNX artifacts, with ONNX Runtime `provider_options` (runtime.openvino_options(device,
     precision_hint) for OpenVINO); ipex or torch for torch artifacts, on `device` (cpu, cuda, xpu).
@@ -380,6 +391,9 @@ def load(path, provider: str = "cpu", max_length: int | None = None, threads: in
     generations side by side as `runtime tune --batch` found plain steps faster, plain steps). More
     generations than `parallel` wait for one to end. prefix_cache_mb: host memory for the caches of
     earlier generations' tokens, reused by later prompts that start with them (runtime/prefix_cache.py;
-    None: 1/8 of the machine's memory where the artifact's steps are exact here, else off; 0: off)."""
+    None: 1/8 of the machine's memory where the artifact's steps are exact here, else off; 0: off).
+    size_trees: calls that name no tree get the default tree sized each cycle, up to its total_tokens,
+    by this machine's step costs (runtime/step_costs.py, probed at the first load here), and plain
+    steps while trees do not pay; False: the default tree as it is, every cycle."""
     return Generator(path, provider, max_length, threads, verify_checksums, device, provider_options, parallel,
-                     row_budget, prefix_cache_mb)
+                     row_budget, prefix_cache_mb, size_trees)

@@ -35,6 +35,7 @@ from artifact.manifest import read_manifest
 from models.cpu import cpu_name
 
 from .api import load
+from . import long_context
 from .generation import TREE_FIELDS, as_tree, tree_label
 from .peers import make_peers
 from .prompts import load_prompts
@@ -97,9 +98,12 @@ def torchscript_lookup_bytes(path: Path) -> int:
 
 
 def parse_trees(spec: str, gen) -> list[tuple[int, int, int, int] | None]:
-    """'tuned' (or the artifact's default tree) and total/depth/top_k[+lookup] items (no +: no lookup)."""
+    """'tuned' (or the artifact's default tree) and total/depth/top_k[+lookup] items (no +: no lookup);
+    'sized' (the default call's tree, sized by step costs) is artifact_configs' own."""
     trees = []
     for item in filter(None, spec.split(",")):
+        if item == "sized":
+            continue
         if item in ("tuned", "default"):
             d = gen.tree_defaults
             trees.append(tuple(d[f] for f in TREE_FIELDS) if gen.speculative_default else None)
@@ -118,20 +122,22 @@ def split_spec(spec: str, default_provider: str) -> tuple[str, str, str | None]:
     return path, provider, hint or None
 
 
-def load_spec(spec: str, default_provider: str):
+def load_spec(spec: str, default_provider: str, reuse: bool = False):
     """(Generator, provider, hint): ONNX artifacts on their provider (ARTIFACT@openvino:bf16 picks the
-    provider and OpenVINO's precision hint), torch ones on their own target."""
+    provider and OpenVINO's precision hint), torch ones on their own target. reuse: prompts' shared
+    document is filled once (decode speed is measured after the first token either way)."""
     path, provider, hint = split_spec(spec, default_provider)
     manifest = read_manifest(Path(path), verify_checksums=False)
     provider = target_provider(manifest["target"], provider)
     options = openvino_options("CPU", hint) if provider == "openvino" else None
-    # Every run starts cold, as the peers' do: a prompt measured twice must not reuse its first run's caches.
-    return load(path, provider=provider, provider_options=options, prefix_cache_mb=0), provider, hint
+    # Otherwise every run starts cold, as the peers' do: a prompt measured twice must not reuse its first
+    # run's caches.
+    return load(path, provider=provider, provider_options=options, prefix_cache_mb=None if reuse else 0), provider, hint
 
 
-def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) -> list[Config]:
+def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int, reuse: bool = False) -> list[Config]:
     """Plain decoding and the trees of one artifact."""
-    gen, provider, hint = load_spec(spec, default_provider)
+    gen, provider, hint = load_spec(spec, default_provider, reuse)
     path = split_spec(spec, default_provider)[0]
     gen.stop_ids.clear()  # exactly n tokens for every configuration
     label = f"{Path(path).name} ({gen.manifest['precision']}, {provider}{':' + hint if hint else ''})"
@@ -141,16 +147,21 @@ def artifact_configs(spec: str, default_provider: str, trees_spec: str, n: int) 
 
     def runner(tree):
         def run(ids):
-            kwargs = {"speculative": False} if tree is None else as_tree(tree)
+            kwargs = {"speculative": False} if tree is None else {} if tree == "sized" else as_tree(tree)
             out = gen.generate(ids, max_new_tokens=n, **kwargs)
             return out.token_ids, out.timings["total"] - out.timings["first_token"], out
         return run
 
     trees = parse_trees(trees_spec, gen) if gen.engine.draft is not None else []
     exact = gen.verify_exact
-    return [Config(f"{label} plain", runner(None), label, None, base_bytes)] + \
+    configs = [Config(f"{label} plain", runner(None), label, None, base_bytes)] + \
         [Config(f"{label} EAGLE-2 {tree_label(as_tree(t))}", runner(t), label, t, base_bytes, draft_bytes, exact=exact)
          for t in trees]
+    if "sized" in trees_spec.split(",") and gen.step_costs is not None:
+        default = tuple(gen.tree_defaults[f] for f in TREE_FIELDS)
+        configs.append(Config(f"{label} EAGLE-2 {tree_label(gen.tree_defaults)} sized", runner("sized"), label,
+                              default, base_bytes, draft_bytes, exact=exact))
+    return configs
 
 
 def provider_of(spec: str, default_provider: str) -> str:
@@ -314,6 +325,11 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def document(tokenizer, tokens: int) -> str:
+    """About `tokens` tokens of MT-bench's questions, one after another."""
+    return tokenizer.decode(long_context.prompts(tokenizer, [tokens])[0])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", nargs="+", help="ARTIFACT[@PROVIDER[:OPENVINO_PRECISION_HINT]], e.g. "
@@ -322,8 +338,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default="builtin", help="builtin, mtbench[:K per category], gsm8k[:N] or a .jsonl")
     p.add_argument("--n", type=int, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--trees", default="tuned", help="'tuned' (the artifact's tuned or default tree) and/or "
-                   "total_tokens/depth/top_k[+lookup] items (4/1/2+4: a 4-token lookup branch), comma-separated")
+    p.add_argument("--trees", default="tuned", help="'tuned' (the artifact's tuned or default tree), 'sized' "
+                   "(that tree sized each cycle by this machine's step costs, what a call naming no tree gets) "
+                   "and/or total_tokens/depth/top_k[+lookup] items (4/1/2+4: a 4-token lookup branch), comma-separated")
+    p.add_argument("--context", type=int, default=0, help="tokens of a document before each question (a system "
+                   "message of MT-bench text, the same for every prompt): decoding at that context")
     p.add_argument("--peers", default="", help="genai,llamacpp (bash ci/install_peers.sh)")
     p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode, or .gguf files "
                    "of the same weights for the llama.cpp peer (comma-separated: one peer each)")
@@ -344,11 +363,12 @@ def main(argv=None) -> int:
     remote = {path: workers[p] for path, p in providers.items() if p in workers}
     configs = [c for path in a.artifacts for c in
                (worker_configs(path, remote[path], a.provider, a.trees, a.max_new_tokens) if path in remote
-                else artifact_configs(path, a.provider, a.trees, a.max_new_tokens))]
+                else artifact_configs(path, a.provider, a.trees, a.max_new_tokens, reuse=a.context > 0))]
     configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens) if a.peers else []
     first = Path(split_spec(a.artifacts[0], a.provider)[0])
     tokenizer = ChatTokenizer(first / read_manifest(first, False)["tokenizer"])
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q.text}]) for q in prompts]
+    system = [{"role": "system", "content": document(tokenizer, a.context)}] if a.context else []
+    ids = [tokenizer.apply_chat_template(system + [{"role": "user", "content": q.text}]) for q in prompts]
     measure(configs, ids, a.max_new_tokens)
     rows = summarize(configs)
     header = (f"{len(prompts)} prompts ({a.prompts}) x {a.max_new_tokens} new tokens, greedy; {cpu_name()}, "

@@ -24,6 +24,8 @@ def _common(p):
     p.add_argument("--depth", type=int, help="draft expansions per cycle (0: the root's draft children only)")
     p.add_argument("--top-k", type=int, help="draft branching per node")
     p.add_argument("--lookup", type=int, help="tokens of the prompt-lookup branch added to each tree (0: none)")
+    p.add_argument("--fixed-trees", action="store_true", help="verify the default tree whole every cycle, "
+                   "instead of sizing it by this machine's step costs")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sampling-top-k", type=int, default=0)
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     import runtime
     try:
         options = runtime.openvino_options(a.openvino_device, a.openvino_precision) if a.provider == "openvino" else None
-        gen = runtime.load(a.artifact, provider=a.provider, device=a.device, provider_options=options)
+        gen = runtime.load(a.artifact, provider=a.provider, device=a.device, provider_options=options,
+                           size_trees=not a.fixed_trees)
         kwargs = _kwargs(a)
         if a.command == "generate":
             if a.raw or gen.tokenizer.chat_template is None:

@@ -109,6 +109,7 @@ class Engine:
         memory is touched only as far as it is used."""
         check_target(manifest, provider)
         self.manifest = manifest
+        self.threads = threads
         self.max_length = fitting_max_length(manifest, min(max_length or manifest["max_length"], manifest["max_length"]),
                                              sequences)
         self.io_dtype = np.float16 if manifest["io_dtype"] == "float16" else np.float32

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle2 import (DraftPool, NgramIndex, accept_greedy, accept_sampling, graft_chain, process_logits, sample,
-                    token_logprobs, tree_from_parents)
+from eagle2 import (DraftPool, NgramIndex, Pace, accept_greedy, accept_sampling, best_tree_size, expected_tokens,
+                    graft_chain, process_logits, sample, token_logprobs, tree_from_parents)
 
 from .engine import MAX_DEPTH, MAX_LOOKUP, MAX_TOP_K, MAX_TREE_TOKENS, PREFILL_CHUNK, Engine, Rows, Sequence
 from .prefix_cache import Hit
@@ -60,6 +60,9 @@ class Settings:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None  # each token's log-probability and this many most likely ones (None: none)
+    # Step costs (runtime/step_costs.StepCosts) to size each tree by, up to total_tokens, and to go on
+    # plain steps while trees do not pay (eagle2/sizing.py); None: total_tokens every cycle.
+    sizing: object = None
 
     @property
     def seeded_sampling(self) -> bool:
@@ -156,6 +159,11 @@ class Decoder:
         self.seq = seq or engine.solo
         self.speculate = speculate or (lambda: True)
         self.constraint = constraint
+        self.pace = Pace() if settings.sizing is not None and settings.speculative else None
+        # The tree verified next, where the pace sized it: (its size, its expected nodes, the draft's
+        # seconds, None for a plain cycle's lookup branch).
+        self._sized: tuple[int, float, float | None] | None = None
+        self._offer: list = []  # the lookup branch proposed for the tree verified next, grafted or not
         if seq is None:
             engine.start(len(prompt))
             for key in engine.timings:
@@ -204,6 +212,37 @@ class Decoder:
             hidden, ids, logp = e.finish_draft(part)
         return hidden[-1:], ids[0], logp[0]
 
+    def _size(self, scores: np.ndarray, most: int, chain: list, context: int) -> tuple[int, list]:
+        """The tree's size by this machine's step costs (eagle2/sizing.py), and the lookup branch to
+        graft beside it (`chain`, or none where its rows do not pay)."""
+        pace = self.pace
+        steps = self.s.sizing.verify_seconds(most + len(chain), context)
+        fixed = self._draft_seconds(context)
+        size = best_tree_size(scores, steps[:most], fixed, pace.calibration)
+        self._offer = chain
+        if chain:
+            with_chain = best_tree_size(scores, steps[len(chain):], fixed, pace.calibration, pace.lookup_gain)
+            tokens = expected_tokens(scores, pace.calibration)[with_chain - 1]
+            if pace.lookup_pays(tokens, fixed + steps[len(chain) + with_chain - 1], fixed + steps[with_chain - 1]):
+                return with_chain, chain
+        return size, []
+
+    def _draft_seconds(self, context: int) -> float:
+        """A drafted cycle's steps of the head (the context's and depth expansions), by the cost table."""
+        return (self.s.depth + 1) * self.s.sizing.draft_seconds(self.s.top_k, context)
+
+    def _lookup_tree(self, root: int, context: int, limit: int):
+        """A cycle the pace keeps plain: the root, and the lookup branch where its rows pay."""
+        tree = tree_from_parents([root], [-1])
+        chain = self.history.propose(self.s.lookup) if self.history is not None else []
+        self._offer = chain
+        if chain:
+            steps = self.s.sizing.verify_seconds(1 + len(chain), context)
+            if self.pace.lookup_pays(1.0, steps[-1], steps[0]):
+                self._sized = (1, 0.0, None)
+                return graft_chain(tree, chain, min(1 + len(chain), limit, MAX_TREE_TOKENS))
+        return tree
+
     def _draft_tree(self, root: int, context: int, head, limit: int):
         """EAGLE-2 expand (depth draft calls) + rerank, plus the prompt-lookup branch.
         `head` = (hidden, ids, logp) of the root's draft row."""
@@ -216,13 +255,18 @@ class Decoder:
             yield part
             hidden, ids, logp = self.engine.finish_draft(part)
             pool.expand(ids, logp)
-        size = yield TreeSize(pool.scores[:pool.size], min(self.s.total_tokens, limit), self.s.lookup,
-                              self.s.seeded_sampling)
+        chain = self.history.propose(self.s.lookup) if self.history is not None else []
+        wanted = min(self.s.total_tokens, limit)
+        if self.pace is not None:
+            wanted, chain = self._size(pool.scores[:pool.size], wanted, chain, context)
+        size = yield TreeSize(pool.scores[:pool.size], wanted, self.s.lookup, self.s.seeded_sampling)
         tree = pool.select(size)
+        if self.pace is not None:
+            self._sized = (size, float(np.exp(tree.scores[1:]).sum()), self._draft_seconds(context))
         if self.history is None:
             return tree
         size = min(len(tree.tokens) + self.s.lookup, limit, MAX_TREE_TOKENS)
-        return graft_chain(tree, self.history.propose(self.s.lookup), size)
+        return graft_chain(tree, chain, size)
 
     def tokens(self):
         """Yield lists of newly produced tokens until a stop token, max_new_tokens or max_length."""
@@ -287,7 +331,8 @@ class Decoder:
                 self._finish("length")
                 break
             limit = min(room, e.key_block - context % e.key_block)
-            if s.speculative and limit > 1 and s.total_tokens > 1 and self.speculate():
+            trees = s.speculative and limit > 1 and s.total_tokens > 1 and self.speculate()
+            if trees and (self.pace is None or self.pace.speculate()):
                 if unread:
                     start = context - len(unread)
                     head = yield from self._draft_context(start, np.asarray(unread, np.int64),
@@ -296,6 +341,8 @@ class Decoder:
                     drafted = context + 1
                     self._kept = (context, drafted)
                 tree = yield from self._draft_tree(root, context, head, limit)
+            elif trees:
+                tree = self._lookup_tree(root, context, limit)
             else:
                 tree = tree_from_parents([root], [-1])
             part = e.verify_rows(tree, context, self.seq)
@@ -308,7 +355,10 @@ class Decoder:
             self.stats.accept_lengths.append(len(accepted))
             new = tree.tokens[accepted[1:]].tolist() + [bonus]
             self._constrain(new)
+            self._paced(tree, accepted, context)
             self.sequence += new
+            if self.pace is not None:
+                self.pace.settle(self.sequence)
             self._kept = (context + len(accepted), drafted)
             yield from self._emit(new, _Rows(logits, accepted))
             if self.history is not None:
@@ -317,6 +367,20 @@ class Decoder:
                 unread += new
             context += len(accepted)
             root = bonus
+
+    def _paced(self, tree, accepted: np.ndarray, context: int) -> None:
+        """Tell the pace what the cycle landed (nodes below the sized tree's size are its own) and the
+        lookup branch it was offered; a drafted cycle's tokens per second (by the cost table) against
+        a plain step's."""
+        if self.pace is None:
+            return
+        size, expected, fixed = self._sized or (1, 0.0, None)
+        own = int(np.count_nonzero(accepted[1:] < size))
+        self.pace.offered(len(self.sequence), self._offer, own)
+        self._sized, self._offer = None, []
+        if fixed is not None:
+            steps = self.s.sizing.verify_seconds(len(tree.tokens), context)
+            self.pace.drafted(expected, own, len(accepted) * steps[0] / (fixed + steps[-1]))
 
     def _constrain(self, tokens: list[int]) -> None:
         """The grammar consumes new tokens, up to the first stop token (which ends it)."""

@@ -36,12 +36,14 @@ from models.cpu import cpu_name
 
 from .generation import DEFAULT_LOOKUP, Decoder, as_tree, tree_label
 from .prompts import load_prompts
+from .step_costs import load_or_probe
 from .tuning import write_tuning
 
 CONFIRM = 3            # predicted-best trees decoded for real
 MAX_TOTAL = 32         # largest tree considered
 COST_ROWS = (1, 2, 4, 8, 16, 32)
 MAX_DRAFT_TOTAL = 64   # the largest tree whose draft cost --draft-depths measures
+TABLE_REPS = 10        # steps a size when the step-cost table is measured again (runtime/step_costs.py)
 
 
 class RecordingDecoder(Decoder):
@@ -328,6 +330,8 @@ def main(argv=None) -> int:
         return 0
     result = tune(gen, prompts, depths, top_ks, a.max_new_tokens)
     path = write_tuning(a.artifact, a.provider, **result)
+    print(load_or_probe(a.artifact, a.provider, gen.engine, fresh=True, reps=TABLE_REPS).describe()
+          + " (what calls naming no tree size it by)")
     print(f"plain decoding: {result['plain_tokens_per_s']:.1f} tok/s on {result['machine']}")
     for c in result["confirmed"]:
         print(f"tree {c['tree']:>8}: {c['tokens_per_s']:.1f} tok/s ({c['speedup']:.2f}x)")

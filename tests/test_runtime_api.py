@@ -216,8 +216,9 @@ def test_reentrant_use_from_an_open_stream_is_refused(gen):
 
 def test_steady_state_allocates_no_buffers(artifact):
     """Over a long run, numpy allocations stay tiny: no per-step logits, bias, feature or cache
-    copies (the cache alone is 2 x 2 x 2 x 512 x 32 floats = 256 KiB per copy). The prefix cache is
-    off: what it copies out at a generation's end it keeps, on purpose (test_runtime_prefix_cache.py)."""
+    copies (the cache alone is 2 x 2 x 2 x 512 x 32 floats = 256 KiB per copy), only the small arrays
+    of each cycle's bookkeeping (the tree, its size by step costs). The prefix cache is off: what it
+    copies out at a generation's end it keeps, on purpose (test_runtime_prefix_cache.py)."""
     gen = runtime.load(artifact, prefix_cache_mb=0)
     gen.stop_ids.clear()  # run the full length
     gen.generate("warm up", max_new_tokens=8)
@@ -228,7 +229,7 @@ def test_steady_state_allocates_no_buffers(artifact):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(out.token_ids) == 300
-    assert peak - before < 64 * 1024, f"peak extra allocation {peak - before} bytes"
+    assert peak - before < 128 * 1024, f"peak extra allocation {peak - before} bytes"
 
 
 

@@ -101,6 +101,9 @@ def parser():
     p.add_argument("--request-timeout", type=float,
                    help="seconds a request may take from its arrival (a request's own \"timeout\" may ask for "
                         "less): its answer then ends with what it has, finish_reason \"length\" (504 if nothing)")
+    p.add_argument("--fixed-trees", action="store_true",
+                   help="verify the default tree whole every cycle, instead of sizing it by this machine's step "
+                        "costs (and decoding plain while trees do not pay)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for open requests")
     p.add_argument("--log-level", default="info")
     ray = p.add_argument_group("Ray Serve (pip install 'eagle2-deploy[ray]')")
@@ -155,7 +158,8 @@ def main(argv=None) -> int:
         return ray_main(a)
     try:
         pool = load_pool(a.artifact, a.workers, a.max_queue, a.provider, a.max_length, a.threads, parallel=a.parallel,
-                         prefix_cache_mb=a.prefix_cache_mb, request_timeout=a.request_timeout)
+                         prefix_cache_mb=a.prefix_cache_mb, request_timeout=a.request_timeout,
+                         size_trees=not a.fixed_trees)
     except (ArtifactError, ProviderError, ValueError, OSError) as e:
         print(f"error: {e}", flush=True)
         return 1

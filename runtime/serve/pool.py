@@ -280,7 +280,7 @@ class WorkerPool:
 def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max_length: int | None = None,
               threads: int | None = None, replica: str | None = None, fault_hook=None,
               parallel: int = 1, prefix_cache_mb: float | None = None,
-              request_timeout: float | None = None) -> WorkerPool:
+              request_timeout: float | None = None, size_trees: bool = True) -> WorkerPool:
     """parallel > 1: one Generator (one copy of the model) decoding up to `parallel` requests side by
     side, batched. Else N Generators (workers), each with its own graphs and caches, each running one
     request at a time; threads per worker default to cores / N, and each worker's prefix cache holds a
@@ -290,12 +290,12 @@ def load_pool(artifact, workers: int, max_queue: int, provider: str = "cpu", max
             raise ValueError("--parallel decodes requests side by side over one copy of the model and --workers "
                              "loads one copy per worker: choose one")
         gen = load(artifact, provider=provider, max_length=max_length, threads=threads, parallel=parallel,
-                   prefix_cache_mb=prefix_cache_mb)
+                   prefix_cache_mb=prefix_cache_mb, size_trees=size_trees)
         return WorkerPool([gen] * parallel, max_queue, replica=replica, fault_hook=fault_hook,
                           request_timeout=request_timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    gens = [load(artifact, provider=provider, max_length=max_length, threads=threads, prefix_cache_mb=prefix_cache_mb)
-            for _ in range(workers)]
+    gens = [load(artifact, provider=provider, max_length=max_length, threads=threads, prefix_cache_mb=prefix_cache_mb,
+                 size_trees=size_trees) for _ in range(workers)]
     for gen in gens:  # before any use
         if gen.prefix_cache is not None:
             gen.prefix_cache.budget //= workers
