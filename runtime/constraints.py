@@ -10,6 +10,12 @@ the grammar forbids then has probability 0 under its parent's masked row and is 
 greedy speculative output equals greedy constrained decoding and sampling keeps the constrained
 distribution. Whitespace is compact (no free whitespace between tokens), so a small model cannot
 spend its reply on blanks.
+
+Complete within the token budget: near the end of a generation's budget (max_new_tokens, or the
+cache's room), the tokens that finish the value (runtime/json_closing.py: close the string, `null`
+for a dangling key, close the containers) are forced, one a token, so that the reply ends as a
+whole value with room for the end-of-sequence token. The budget enters each row's mask by the
+position of the token it chooses, so plain and speculative decoding still mask alike.
 """
 from __future__ import annotations
 
@@ -19,6 +25,28 @@ from pathlib import Path
 import numpy as np
 
 from eagle2 import DraftTree
+
+from .json_closing import JsonPrefix
+
+# Tokens of room kept beyond what the value's completion needs before it is forced: one token the
+# model chooses can open at most this much more to close (a key and a nested container at once);
+# a schema's required keys add their own tokens and a short value's each.
+CLOSING_MARGIN = 8
+SHORT_VALUE_TOKENS = 2
+# Where a schema takes not the generic completion's next token (it wants a required key, or a value
+# of its type), the first of these it takes: ends, then separators (never another digit after a
+# number that may end), then the shortest values.
+CLOSERS = ('"', "}", "]", '"}', '"]', "}}", "]}", ",", ":", "0", '""', "[]", "{}", "false", "null")
+
+
+def required_keys(schema) -> list[str]:
+    """The keys a schema requires, nested ones included."""
+    if isinstance(schema, dict):
+        own = [k for k in schema.get("required", []) if isinstance(k, str)]
+        return own + [k for v in schema.values() for k in required_keys(v)]
+    if isinstance(schema, list):
+        return [k for v in schema for k in required_keys(v)]
+    return []
 
 
 def _llguidance():
@@ -38,6 +66,9 @@ class GrammarTokenizer:
         self.lib = _llguidance()
         self.vocab_size = vocab_size
         self.tokenizer = self.lib.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=sorted(stop_ids))
+        # Each token's bytes as characters (latin-1: JSON's structure is ASCII), for the completion.
+        self.pieces = [self.tokenizer.decode_bytes([i]).decode("latin-1") for i in range(vocab_size)]
+        self.closers = [ids[0] for ids in map(self.tokenizer.greedy_tokenize, CLOSERS) if len(ids) == 1]
 
     def json(self, schema: dict | None) -> JsonConstraint:
         """A constraint for one generation: any JSON object (schema None), else the schema's JSON."""
@@ -57,14 +88,40 @@ class JsonConstraint:
         self.matcher = lib.LLMatcher(grammar.tokenizer, source)
         if self.matcher.is_error():
             raise ValueError(f"the JSON schema cannot be compiled: {self.matcher.get_error()}")
+        self.grammar = grammar
         self.vocab_size = grammar.vocab_size
+        self.scan = JsonPrefix()     # the consumed tokens' JSON so far
+        self.emitted = 0             # tokens consumed
+        self.budget: int | None = None
+        self.margin = CLOSING_MARGIN + sum(len(grammar.tokenizer.greedy_tokenize(f',"{key}":')) + SHORT_VALUE_TOKENS
+                                           for key in required_keys(schema))
         self._fill = lib.numpy.fill_next_token_bitmask
         self._bits = lib.numpy.allocate_token_bitmask(1, grammar.vocab_size)
 
-    def allowed(self) -> np.ndarray:
-        """bool [V]: the tokens the grammar allows next."""
+    def end_within(self, tokens: int) -> None:
+        """The generation ends after `tokens` more tokens at most: the value must be whole by then."""
+        self.budget = self.emitted + tokens
+
+    def allowed(self, scan: JsonPrefix | None = None, position: int | None = None) -> np.ndarray:
+        """bool [V]: the tokens the grammar allows next; where the token at `position` (default: the
+        next) leaves no more room than the value's completion needs, only its completion's first token."""
         self._fill(self.matcher, self._bits, 0)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        if self.budget is None:
+            return allowed
+        left = self.budget - (self.emitted if position is None else position)
+        completion = (scan or self.scan).completion()
+        if not completion or left > self.margin + len(completion) + 1:  # a token is at least a character
+            return allowed
+        tokens = self.grammar.tokenizer.greedy_tokenize(completion)
+        if left > self.margin + len(tokens) + 1:
+            return allowed
+        first = next((t for t in (tokens[0], *self.grammar.closers) if allowed[t]), None)
+        if first is None:  # the grammar's own next token (a required key's text): it is all it allows
+            return allowed
+        only = np.zeros_like(allowed)
+        only[first] = True
+        return only
 
     def mask(self, row) -> np.ndarray:
         """A masked copy of one logits row [V] (forbidden tokens -inf)."""
@@ -84,7 +141,8 @@ class JsonConstraint:
             if self.matcher.validate_tokens(path) < len(path):
                 continue
             self.matcher.consume_tokens(path)
-            allowed = self.allowed()
+            scan = self.scan.copy().feed("".join(self.grammar.pieces[t] for t in path)) if path else self.scan
+            allowed = self.allowed(scan, self.emitted + len(path))
             if allowed.any():  # else the path ended the grammar: this row, past its end, is never used
                 rows[node] = np.where(allowed, rows[node], -np.inf)
             self.matcher.rollback(len(path))
@@ -98,3 +156,5 @@ class JsonConstraint:
                 return
             if not self.matcher.consume_token(int(t)):
                 raise RuntimeError(f"the grammar refused a token it allowed: {self.matcher.get_error()}")
+            self.scan.feed(self.grammar.pieces[int(t)])
+            self.emitted += 1

@@ -159,6 +159,8 @@ class Decoder:
         self.seq = seq or engine.solo
         self.speculate = speculate or (lambda: True)
         self.constraint = constraint
+        if constraint is not None:  # a reply cut by the limit would not be whole JSON
+            constraint.end_within(min(settings.max_new_tokens, engine.max_length - len(prompt)))
         self.pace = Pace() if settings.sizing is not None and settings.speculative else None
         # The tree verified next, where the pace sized it: (its size, its expected nodes, the draft's
         # seconds, None for a plain cycle's lookup branch).

@@ -42,3 +42,41 @@ def test_every_seeded_reply_is_valid_json_of_its_schema(gen):
 def test_a_schema_that_cannot_compile_is_refused(gen):
     with pytest.raises(ValueError, match="JSON schema"):
         gen.generate([5, 6, 7], max_new_tokens=4, json_schema={"type": "no-such-type"})
+
+
+@pytest.mark.parametrize("budget", [6, 12, 23, 40])
+def test_json_objects_end_whole_within_max_tokens(gen, budget):
+    """A model that would go on (random weights) is made to finish the value in time: the reply is a
+    whole JSON object ended by the end-of-sequence token, speculative as plain."""
+    for shift in range(3):
+        prompt = list(range(5 + shift, 50 + shift))
+        spec = gen.generate(prompt, max_new_tokens=budget, json_schema=True)
+        plain = gen.generate(prompt, max_new_tokens=budget, json_schema=True, speculative=False)
+        assert spec.token_ids == plain.token_ids
+        assert spec.finish_reason == "stop" and len(spec.token_ids) <= budget
+        assert isinstance(json.loads(spec.text), dict)
+
+
+def test_sampled_json_objects_end_whole_within_max_tokens(gen):
+    for seed in range(8):
+        out = gen.generate(list(range(9, 40)), max_new_tokens=24, json_schema=True, temperature=1.0, seed=seed)
+        assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+
+
+REQUIRED = {"type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "number"},
+                                             "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": ["answer", "score", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("budget", [40, 64])
+def test_schema_replies_end_whole_within_max_tokens(gen, budget):
+    """Past the generic completion, a schema's required keys: the reply still ends as a value of the
+    schema, with every required key, before max_tokens."""
+    for shift in range(3):
+        prompt = list(range(7 + shift, 40 + shift))
+        spec = gen.generate(prompt, max_new_tokens=budget, json_schema=REQUIRED)
+        plain = gen.generate(prompt, max_new_tokens=budget, json_schema=REQUIRED, speculative=False)
+        assert spec.token_ids == plain.token_ids
+        value = json.loads(spec.text)
+        assert spec.finish_reason == "stop" and set(value) == {"answer", "score", "tags"}
+        assert isinstance(value["answer"], str) and isinstance(value["tags"], list)

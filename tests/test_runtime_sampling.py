@@ -126,6 +126,9 @@ class ForbidAfter:
     def allowed(after: int) -> np.ndarray:
         return (after + np.arange(VOCAB)) % 3 != 0
 
+    def end_within(self, tokens: int) -> None:
+        """Every sequence of allowed tokens is whole: nothing to finish before the budget ends."""
+
     def mask(self, row):
         return np.where(self.allowed(self.last), np.asarray(row, np.float32), -np.inf).astype(np.float32)
 
