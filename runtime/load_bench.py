@@ -108,7 +108,8 @@ def server_command(kind: str, artifact: str, gguf: Path | None, n: int, port: in
         return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
                 "-c", str(context * n), "-t", str(os.cpu_count()), "--jinja", "--no-webui"]
     mode = {"parallel": ["--parallel", str(n)], "workers": ["--parallel", "1", "--workers", str(n)],
-            "no-reuse": ["--parallel", str(n), "--prefix-cache-mb", "0"]}[kind]
+            "no-reuse": ["--parallel", str(n), "--prefix-cache-mb", "0"],
+            "fixed-trees": ["--parallel", str(n), "--fixed-trees"]}[kind]
     return [sys.executable, "-m", "runtime", "serve", artifact, "--port", str(port), "--max-queue", "256",
             "--log-level", "warning", *mode]
 
@@ -173,7 +174,8 @@ def requantized(source: Path, quant: str) -> Path:
 def server_plan(servers: list[str], ggufs: list[str]) -> list[tuple[str, str, Path | None]]:
     """(kind, label, GGUF) of every server to start."""
     labels = {"parallel": "this project, side by side", "workers": "this project, N workers",
-              "no-reuse": "this project, side by side, prefix reuse off"}
+              "no-reuse": "this project, side by side, prefix reuse off",
+              "fixed-trees": "this project, side by side, trees not sized"}
     plan = [(k, labels[k], None) for k in servers if k != "llama-server"]
     if "llama-server" in servers:
         if not LLAMA_SERVER.is_file():
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--servers", default="parallel,workers,llama-server",
                    help="parallel (this project, side by side), workers (one model copy per worker), no-reuse "
-                        "(side by side, prefix reuse off), llama-server")
+                        "(side by side, prefix reuse off), fixed-trees (side by side, --fixed-trees), llama-server")
     p.add_argument("--gguf", default="as-is,Q8_0", help="llama-server's GGUFs: as-is (as shipped), Q8_0")
     p.add_argument("--report", help="write the Markdown table here")
     p.add_argument("--json", help="write the figures here")
