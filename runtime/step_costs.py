@@ -1,8 +1,8 @@
 """What a step of each graph costs on this machine, by rows and context: the table EAGLE-2's trees are
 sized by (eagle2/sizing.py). Measured by a short probe the first time an artifact is loaded on a
-machine (a few seconds; fewer sizes, one step each, where a step is slow) and kept in ARTIFACT/tuning.json for that machine and
-thread count, so that every later load sizes its trees from the same numbers; `runtime tune`
-measures it again, with more steps a size.
+machine (a few seconds; fewer sizes, one step each, where a step is slow) and kept in
+ARTIFACT/tuning.json for that machine and thread count, so that every later load sizes its trees
+from the same numbers; `runtime tune` measures it again, with more steps a size.
 
 The probe runs steps over the caches as they are (their contents do not change a step's time) at
 two contexts; a step's cost is taken as linear in the context between and beyond them, which is
@@ -105,7 +105,7 @@ def probe(engine: Engine, reps: int = 3) -> StepCosts:
     """Time verify and draft steps at CONTEXTS (the second cut to this engine's max_length), over the
     solo sequence's caches before any generation (a later one overwrites what the steps wrote)."""
     machine, threads = _signature(engine)
-    top = engine.max_length - max(ROWS) - 1
+    top = max(engine.max_length - max(ROWS) - 1, 2)  # two distinct contexts, however short the cache
     contexts = (min(CONTEXTS[0], top // 2), min(CONTEXTS[1], top))
     seq = engine.solo
     log.info("measuring this machine's step costs for sizing trees (once: kept in %s)", TUNING_FILE)
