@@ -148,6 +148,24 @@ class JsonConstraint:
             self.matcher.rollback(len(path))
         return rows
 
+    def valid_paths(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """bool per draft candidate (tokens, parents as pool indices, -1 the root): whether the grammar
+        takes its path from the root. A candidate it does not take would be rejected for sure: the draft
+        grows its trees without them."""
+        valid = np.ones(len(tokens), bool)
+        for i in range(len(tokens)):
+            path, u = [], i
+            while u >= 0:
+                path.append(int(tokens[u]))
+                u = int(parents[u])
+            path.reverse()
+            valid[i] = self.matcher.validate_tokens(path) == len(path)
+        return valid
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest start of `tokens` (a lookup branch) the grammar takes."""
+        return tokens[:self.matcher.validate_tokens([int(t) for t in tokens])]
+
     def consume(self, tokens: list[int]) -> None:
         """Tokens chosen from masked rows. A complete value stops the grammar: only an end-of-sequence
         token was allowed after it, and the generation ends there."""

@@ -237,6 +237,8 @@ class Decoder:
         """A cycle the pace keeps plain: the root, and the lookup branch where its rows pay."""
         tree = tree_from_parents([root], [-1])
         chain = self.history.propose(self.s.lookup) if self.history is not None else []
+        if self.constraint is not None:
+            chain = self.constraint.valid_prefix(chain)
         self._offer = chain
         if chain:
             steps = self.s.sizing.verify_seconds(1 + len(chain), context)
@@ -259,6 +261,11 @@ class Decoder:
             pool.expand(ids, logp)
         chain = self.history.propose(self.s.lookup) if self.history is not None else []
         wanted = min(self.s.total_tokens, limit)
+        if self.constraint is not None:  # candidates the grammar forbids give their rows to others
+            ruled_out = ~self.constraint.valid_paths(pool.tokens[:pool.size], pool.parents[:pool.size])
+            pool.scores[:pool.size][ruled_out] = -np.inf
+            wanted = min(wanted, 1 + pool.size - int(ruled_out.sum()))
+            chain = self.constraint.valid_prefix(chain)
         if self.pace is not None:
             wanted, chain = self._size(pool.scores[:pool.size], wanted, chain, context)
         size = yield TreeSize(pool.scores[:pool.size], wanted, self.s.lookup, self.s.seeded_sampling)

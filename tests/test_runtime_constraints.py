@@ -80,3 +80,18 @@ def test_schema_replies_end_whole_within_max_tokens(gen, budget):
         value = json.loads(spec.text)
         assert spec.finish_reason == "stop" and set(value) == {"answer", "score", "tags"}
         assert isinstance(value["answer"], str) and isinstance(value["tags"], list)
+
+
+def test_the_draft_leaves_out_what_the_grammar_forbids(gen):
+    """Draft candidates whose path the grammar forbids (and lookup tokens past the first such) are
+    left out of the tree: their rows go to candidates that can be accepted."""
+    constraint = gen.constraint(True)
+    grammar = constraint.grammar
+    brace, quote = (grammar.tokenizer.greedy_tokenize(t)[0] for t in ("{", '"'))
+    constraint.end_within(100)
+    constraint.consume([brace])
+    other = next(t for t in range(gen.vocab_size) if t not in (brace, quote) and not constraint.allowed()[t])
+    # The root's children: a quote (allowed after "{") and a forbidden token; a child of each.
+    tokens, parents = [quote, other, quote, quote], [-1, -1, 0, 1]
+    assert constraint.valid_paths(tokens, parents).tolist() == [True, False, True, False]
+    assert constraint.valid_prefix([quote, quote, other]) == [quote, quote]

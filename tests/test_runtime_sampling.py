@@ -144,6 +144,24 @@ class ForbidAfter:
                 rows[node] = np.where(self.allowed(states[-1]), rows[node], -np.inf)
         return rows
 
+    def _takes(self, path) -> int:
+        """How many of the path's tokens, from the start, the grammar takes."""
+        states = [self.last] + list(path)
+        return next((i for i, (a, b) in enumerate(zip(states, states[1:])) if not self.allowed(a)[b]), len(path))
+
+    def valid_paths(self, tokens, parents):
+        paths = []
+        for i in range(len(tokens)):
+            path, u = [], i
+            while u >= 0:
+                path.append(int(tokens[u]))
+                u = int(parents[u])
+            paths.append(path[::-1])
+        return np.array([self._takes(p) == len(p) for p in paths])
+
+    def valid_prefix(self, tokens):
+        return list(tokens)[:self._takes(tokens)]
+
     def consume(self, tokens):
         for t in tokens:
             assert self.allowed(self.last)[t], "a token the grammar forbids was chosen"
