@@ -1,8 +1,8 @@
 """Side-by-side benchmark: plain decoding and EAGLE-2 trees of one or more artifacts, and the plain
-decoders users would run instead (onnxruntime-genai, llama.cpp), in one run.
+decoders users would run instead (onnxruntime-genai, llama.cpp, OpenVINO GenAI), in one run.
 
     python -m runtime.bench ARTIFACT[@PROVIDER[:HINT]] [...] [--provider cpu] [--prompts mtbench:2]
-                            [--max-new-tokens 128] [--trees tuned,4/2/2,4/1/2+4,...] [--peers genai,llamacpp]
+                            [--max-new-tokens 128] [--trees tuned,4/2/2,4/1/2+4,...] [--peers genai,llamacpp,openvino-genai]
                             [--reference FP32_ARTIFACT] [--worker ipex=.venv-ipex/bin/python]
                             [--report bench.md] [--json bench.json] [--plot bench.png]
 
@@ -205,7 +205,7 @@ def peer_configs(names: list[str], model: str, n: int) -> list[Config]:
     for peer in make_peers(names, model):
         def run(ids, peer=peer):
             return None, peer.decode(ids, n), None
-        configs.append(Config(f"{peer.name} plain", run, "peers", None, peer.weight_bytes))
+        configs.append(Config(f"{peer.name} {peer.mode}", run, "peers", None, peer.weight_bytes))
     return configs
 
 
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
                    "and/or total_tokens/depth/top_k[+lookup] items (4/1/2+4: a 4-token lookup branch), comma-separated")
     p.add_argument("--context", type=int, default=0, help="tokens of a document before each question (a system "
                    "message of MT-bench text, the same for every prompt): decoding at that context")
-    p.add_argument("--peers", default="", help="genai,llamacpp (bash ci/install_peers.sh)")
+    p.add_argument("--peers", default="", help="genai,llamacpp,openvino-genai (bash ci/install_peers.sh)")
     p.add_argument("--peer-model", default="smollm2-135m", help="the model alias the peers decode, or .gguf files "
                    "of the same weights for the llama.cpp peer (comma-separated: one peer each)")
     p.add_argument("--reference", help="also report top-1 agreement and perplexity against this artifact (e.g. fp32; "

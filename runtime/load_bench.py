@@ -1,6 +1,7 @@
 """Serving under load, in one run on one machine: this project's server decoding N requests side by
 side (`--parallel N`), the same server as it was before batching (`--workers N`, one model copy
-each), and llama.cpp's own server (`llama-server -np N`, continuous batching) on the model's GGUF.
+each), llama.cpp's own server (`llama-server -np N`, continuous batching) on the model's GGUF, and
+OpenVINO GenAI's continuous-batching pipeline on its int8 IR (`openvino-genai`).
 
     python -m runtime.load_bench ARTIFACT [--prompts mtbench] [--concurrency 1,4,16] [--max-tokens 128]
                                  [--servers parallel,workers,llama-server] [--gguf as-is,Q8_0]
@@ -14,7 +15,10 @@ Each server runs as its own process on loopback, one start per concurrency N, an
 streams (OpenAI chat completions, streamed, greedy) take the prompts from one queue. Reported per
 server and N: aggregate generated tokens/s over the wall time, time to first token, the gap between
 streamed chunks and tokens per chunk (p50/p99), the server's peak RSS (VmHWM); for this project's
-servers, whether every reply equals `Generator.generate()` of the same request alone.
+servers, whether every reply equals `Generator.generate()` of the same request alone. OpenVINO GenAI
+has no server of its own in its Python package: its pipeline is driven in its own process
+(runtime/openvino_genai_worker.py) with the same token ids, N requests in flight, each new one added
+as another ends, timed per step; no HTTP on its side, which favours it slightly.
 
 With --turns M, conversations instead (runtime/conversations.py): N users, each M turns of
 MT-bench questions after one shared system prompt, each turn resending the history with the
@@ -172,11 +176,11 @@ def requantized(source: Path, quant: str) -> Path:
 
 
 def server_plan(servers: list[str], ggufs: list[str]) -> list[tuple[str, str, Path | None]]:
-    """(kind, label, GGUF) of every server to start."""
+    """(kind, label, weights) of every server to start: llama-server's GGUF, OpenVINO GenAI's IR folder."""
     labels = {"parallel": "this project, side by side", "workers": "this project, N workers",
               "no-reuse": "this project, side by side, prefix reuse off",
               "fixed-trees": "this project, side by side, trees not sized"}
-    plan = [(k, labels[k], None) for k in servers if k != "llama-server"]
+    plan = [(k, labels[k], None) for k in servers if k not in ("llama-server", "openvino-genai")]
     if "llama-server" in servers:
         if not LLAMA_SERVER.is_file():
             raise SystemExit(f"{LLAMA_SERVER} is missing: bash ci/install_llama_server.sh")
@@ -186,7 +190,24 @@ def server_plan(servers: list[str], ggufs: list[str]) -> list[tuple[str, str, Pa
             path = shipped if quant == "as-is" else requantized(shipped, quant)
             name = shipped.stem.rsplit(".", 1)[-1] if quant == "as-is" else quant
             plan.append(("llama-server", f"llama-server {name}", path))
+    if "openvino-genai" in servers:
+        from .peers import openvino_model
+        plan.append(("openvino-genai", "OpenVINO GenAI int8, continuous batching", openvino_model("smollm2-135m")))
     return plan
+
+
+def _openvino_genai_load(ir: Path, requests: list[list[int]], n: int, max_tokens: int) -> tuple[list[dict], float, float]:
+    """(results, wall seconds, peak RSS MiB) of the requests through OpenVINO GenAI's continuous
+    batching, n in flight, after a short warm-up as the servers get."""
+    from .peers import OpenVinoGenaiWorker
+    worker = OpenVinoGenaiWorker(ir, "batch")
+    try:
+        worker.ask({"requests": requests[:1], "streams": 1, "max_tokens": 8})
+        done = worker.ask({"requests": requests, "streams": n, "max_tokens": max_tokens})
+        rss = _peak_rss_mib(worker.pid)
+    finally:
+        worker.close()
+    return [{**r, "text": None} for r in done["results"]], done["wall"], rss
 
 
 @contextmanager
@@ -203,11 +224,18 @@ def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, ser
     gen = load(artifact, prefix_cache_mb=0)
     requests = [[{"role": "user", "content": p.text}] for p in load_prompts(prompt_spec)]
     want = [gen.generate(gen.tokenizer.apply_chat_template(m), max_new_tokens=max_tokens).text for m in requests]
+    gen_tokenizer = gen.tokenizer
     del gen
     rows = []
     plan = server_plan(servers, ggufs)
     for n in levels:
         for kind, label, gguf in plan:
+            if kind == "openvino-genai":
+                ids = [gen_tokenizer.apply_chat_template(m) for m in requests]
+                results, wall, rss = _openvino_genai_load(gguf, ids, n, max_tokens)
+                rows.append(_summary(kind, label, n, results, wall, rss, None))
+                print(f"{label}, {n} streams: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+                continue
             with serving(kind, artifact, gguf, n) as (url, pid):
                 results, wall = asyncio.run(_load(url, requests, n, max_tokens))
                 rss = _peak_rss_mib(pid)
@@ -304,7 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--servers", default="parallel,workers,llama-server",
                    help="parallel (this project, side by side), workers (one model copy per worker), no-reuse "
-                        "(side by side, prefix reuse off), fixed-trees (side by side, --fixed-trees), llama-server")
+                        "(side by side, prefix reuse off), fixed-trees (side by side, --fixed-trees), llama-server, "
+                        "openvino-genai (its continuous batching; not with --turns or --contexts)")
     p.add_argument("--gguf", default="as-is,Q8_0", help="llama-server's GGUFs: as-is (as shipped), Q8_0")
     p.add_argument("--report", help="write the Markdown table here")
     p.add_argument("--json", help="write the figures here")
@@ -318,6 +347,8 @@ def main(argv=None) -> int:
     lengths.add_argument("--repeats", type=int, default=2, help="runs of each length (the median is reported)")
     a = p.parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
+    if "openvino-genai" in a.servers.split(",") and (a.contexts or a.turns > 1):
+        raise SystemExit("openvino-genai takes part in the streams benchmark only, not with --turns or --contexts")
     if a.contexts:
         result = run_lengths(a.artifact, [int(n) for n in a.contexts.split(",")], a.max_tokens, a.servers.split(","),
                              a.gguf.split(","), a.repeats)

@@ -281,3 +281,34 @@ def test_batch_bench_times_a_step_by_cache_capacity(artifact):
     assert [(r["sequences"], r["capacity"]) for r in result["rows"]] == [(1, 64), (1, 128), (2, 64), (2, 128)]
     assert all(r["step_ms"] > 0 for r in result["rows"])
     assert "| 2 | " in batch_bench.costs_table(result)
+
+
+@pytest.mark.slow
+def test_the_openvino_genai_peer_decodes_and_batches(smollm2_artifact):
+    """OpenVINO GenAI in its own environment: plain, prompt-lookup and EAGLE-3 (this project's head,
+    converted by optimum-intel) decode exactly the tokens asked for; its continuous batching answers
+    every request, at most max_tokens each, with a first-token time."""
+    from runtime.peers import OPENVINO_GENAI, OpenVinoGenaiWorker, make_peers, openvino_model
+    if not (OPENVINO_GENAI / "optimum-cli").exists():
+        pytest.skip("the openvino-genai peer is not installed (bash ci/install_peers.sh)")
+    gen = runtime.load(smollm2_artifact)
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    peers = make_peers(["openvino-genai"], "smollm2-135m")
+    assert [p.mode for p in peers] == ["plain", "prompt-lookup", "eagle3"]
+    for peer in peers:
+        answer = peer.worker.ask({"ids": ids, "n": 16})
+        assert len(answer["tokens"]) == 16 and 0 < answer["seconds"] < 30, peer.mode
+        assert peer.weight_bytes > 50e6
+        peer.worker.close()
+    worker = OpenVinoGenaiWorker(openvino_model("smollm2-135m"), "batch")
+    done = worker.ask({"requests": [ids, ids[:-3], ids], "streams": 2, "max_tokens": 12})
+    worker.close()
+    assert len(done["results"]) == 3 and done["wall"] > 0
+    for r in done["results"]:
+        assert 0 < r["tokens"] <= 12 and len(r["ids"]) == r["tokens"] and r["ttft"] > 0
+        assert len(r["gaps"]) == r["chunks"] - 1
+    # as runtime.load_bench runs it beside the servers: the same figures as theirs
+    from runtime import load_bench
+    results, wall, rss = load_bench._openvino_genai_load(openvino_model("smollm2-135m"), [ids, ids], 2, 8)
+    row = load_bench._summary("openvino-genai", "OpenVINO GenAI", 2, results, wall, rss, None)
+    assert row["tokens"] == 16 and row["tokens_per_s"] > 0 and row["peak_rss_mib"] > 100
