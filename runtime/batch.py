@@ -163,27 +163,32 @@ class Scheduler:
 
     def step(self) -> None:
         """Admit what fits; then draft steps until every generation waits for the base (each draft
-        step holds every generation's next draft rows; trees are sized between them); then one base
-        step. Each generation goes on to its next step's rows as soon as its outputs are in."""
+        step holds every generation's next draft rows; trees are sized between them), the head's
+        prompt chunks in the first only; then one base step. Each generation goes on to its next
+        step's rows as soon as its outputs are in. So a long prompt, and the head's catch-up on it,
+        take one chunk a step of each graph: the others wait at most a chunk."""
         self._drop_cancelled()
         self._admit()
         for r in list(self._active):
             if r.pending is None:
                 self._advance(r)
+        chunks = True
         while True:
             sizing = [r for r in self._active if isinstance(r.pending, TreeSize)]
             for r, size in zip(sizing, self._tree_sizes([r.pending for r in sizing])):
                 r.pending = None
                 self._advance(r, size)
-            if not self._run("draft"):
+            if not self._run("draft", chunks):
                 break
+            chunks = False
         self._run("base")
 
-    def _run(self, graph: str) -> bool:
+    def _run(self, graph: str, chunks: bool = True) -> bool:
         """Steps of `graph` over the rows waiting for it that fit: trees and draft frontiers in one,
-        prompt chunks in another (those that waited first go first); whether any ran."""
+        prompt chunks (unless `chunks` is False) in another (those that waited first go first);
+        whether any ran."""
         ran = False
-        for prompt in (False, True):
+        for prompt in (False, True) if chunks else (False,):
             ready = sorted((r for r in self._active if isinstance(r.pending, Rows) and r.pending.graph == graph
                             and r.pending.prompt == prompt), key=lambda r: -r.waited)
             parts, rows = [], 0
@@ -240,7 +245,7 @@ class Scheduler:
                 try:
                     r.decoder = Decoder(self.engine, r.prompt, r.settings, r.stop_ids, seq=seq,
                                         speculate=None if r.settings.seeded_sampling else self._speculate,
-                                        constraint=r.constraint)
+                                        constraint=r.constraint, side_by_side=self._side_by_side)
                 except Exception as e:  # settings this generation cannot run with (a bad seed, say)
                     self.engine.close_sequence(seq)
                     r.tokens.put(e)
@@ -256,6 +261,9 @@ class Scheduler:
                 if not r.decoder.finish_reason:
                     r.decoder.finish("cancelled")
                 self._end(r, FINISHED)
+
+    def _side_by_side(self) -> int:
+        return max(len(self._active), 1)
 
     def _speculate(self) -> bool:
         """Whether a generation starting a cycle drafts a tree at the present load."""

@@ -136,7 +136,7 @@ class Decoder:
     and each tree's size before it goes on."""
 
     def __init__(self, engine: Engine, prompt: list[int], settings: Settings, stop_ids: set[int],
-                 seq: Sequence | None = None, speculate=None, constraint=None):
+                 seq: Sequence | None = None, speculate=None, constraint=None, side_by_side=None):
         """speculate: asked before each cycle whether to draft a tree (a scheduler under load may
         find plain steps faster: runtime/batch.py); None, always. Either way greedy output is the
         same, and sampled output keeps its distribution. constraint: a grammar whose masks every row
@@ -158,6 +158,10 @@ class Decoder:
         self.logprobs: list[tuple[float, np.ndarray, np.ndarray]] = []
         self.seq = seq or engine.solo
         self.speculate = speculate or (lambda: True)
+        # Generations sharing its steps (a scheduler's load), asked once a cycle: what the sizing's costs
+        # are shared by.
+        self.side_by_side = side_by_side or (lambda: 1)
+        self._sharing = 1
         self.constraint = constraint
         if constraint is not None:  # a reply cut by the limit would not be whole JSON
             constraint.end_within(min(settings.max_new_tokens, engine.max_length - len(prompt)))
@@ -218,7 +222,7 @@ class Decoder:
         """The tree's size by this machine's step costs (eagle2/sizing.py), and the lookup branch to
         graft beside it (`chain`, or none where its rows do not pay)."""
         pace = self.pace
-        steps = self.s.sizing.verify_seconds(most + len(chain), context)
+        steps = self.s.sizing.verify_seconds(most + len(chain), context, self._sharing)
         fixed = self._draft_seconds(context)
         size = best_tree_size(scores, steps[:most], fixed, pace.calibration)
         self._offer = chain
@@ -231,7 +235,7 @@ class Decoder:
 
     def _draft_seconds(self, context: int) -> float:
         """A drafted cycle's steps of the head (the context's and depth expansions), by the cost table."""
-        return (self.s.depth + 1) * self.s.sizing.draft_seconds(self.s.top_k, context)
+        return (self.s.depth + 1) * self.s.sizing.draft_seconds(self.s.top_k, context, self._sharing)
 
     def _lookup_tree(self, root: int, context: int, limit: int):
         """A cycle the pace keeps plain: the root, and the lookup branch where its rows pay."""
@@ -241,7 +245,7 @@ class Decoder:
             chain = self.constraint.valid_prefix(chain)
         self._offer = chain
         if chain:
-            steps = self.s.sizing.verify_seconds(1 + len(chain), context)
+            steps = self.s.sizing.verify_seconds(1 + len(chain), context, self._sharing)
             if self.pace.lookup_pays(1.0, steps[-1], steps[0]):
                 self._sized = (1, 0.0, None)
                 return graft_chain(tree, chain, min(1 + len(chain), limit, MAX_TREE_TOKENS))
@@ -341,6 +345,7 @@ class Decoder:
                 break
             limit = min(room, e.key_block - context % e.key_block)
             trees = s.speculative and limit > 1 and s.total_tokens > 1 and self.speculate()
+            self._sharing = self.side_by_side()
             if trees and (self.pace is None or self.pace.speculate()):
                 if unread:
                     start = context - len(unread)
@@ -388,7 +393,7 @@ class Decoder:
         self.pace.offered(len(self.sequence), self._offer, own)
         self._sized, self._offer = None, []
         if fixed is not None:
-            steps = self.s.sizing.verify_seconds(len(tree.tokens), context)
+            steps = self.s.sizing.verify_seconds(len(tree.tokens), context, self._sharing)
             self.pace.drafted(expected, own, len(accepted) * steps[0] / (fixed + steps[-1]))
 
     def _constrain(self, tokens: list[int]) -> None:

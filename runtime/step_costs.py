@@ -54,12 +54,17 @@ class StepCosts:
         share = (context - contexts[0]) / (contexts[1] - contexts[0])
         return np.maximum(low + share * (high - low), 0.0)
 
-    def verify_seconds(self, max_rows: int, context: int) -> np.ndarray:
-        """[max_rows]: a verify step of 1..max_rows rows at `context` cached positions."""
-        return self._at(self.rows, self.verify, self.contexts, np.arange(1, max_rows + 1, dtype=np.float64), context)
+    def verify_seconds(self, max_rows: int, context: int, generations: int = 1) -> np.ndarray:
+        """[max_rows]: a verify step of 1..max_rows rows at `context` cached positions. With `generations`
+        decoding side by side, one generation's share of a step in which each of them has as many rows:
+        under load a tree's rows cost the step's rate per row, and its fixed cost is shared."""
+        rows = generations * np.arange(1, max_rows + 1, dtype=np.float64)
+        return self._at(self.rows, self.verify, self.contexts, rows, context) / generations
 
-    def draft_seconds(self, rows: int, context: int) -> float:
-        return float(self._at(self.draft_rows, self.draft, self.contexts, np.array([float(rows)]), context)[0])
+    def draft_seconds(self, rows: int, context: int, generations: int = 1) -> float:
+        """The head's step with `rows` rows (each generation's share, as verify_seconds)."""
+        total = np.array([float(rows * generations)])
+        return float(self._at(self.draft_rows, self.draft, self.contexts, total, context)[0]) / generations
 
     def describe(self) -> str:
         one = self.verify_seconds(1, self.contexts[0])[0]

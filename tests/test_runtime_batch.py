@@ -325,3 +325,35 @@ def test_plain_steps_under_the_tuned_load_keep_every_output(tmp_path, monkeypatc
     assert runtime.load(tmp_path / "a", parallel=2, row_budget=8).scheduler.plain_from is None
     write_tuning(tmp_path / "a", "cpu", batch={"tree": "9/9/9", "plain_from": 3})
     assert runtime.load(tmp_path / "a", parallel=2).scheduler.plain_from is None
+
+
+def test_a_long_prompt_delays_the_others_by_one_chunk_a_step(tmp_path, monkeypatch):
+    """A prompt of several chunks (and the head's catch-up on it) fills one chunk per step of each
+    graph: a generation decoding beside it gets a verify step between any two of its chunks, never
+    waits for the whole prompt, and both replies stay the ones they get alone."""
+    from runtime.engine import PREFILL_CHUNK
+    export_onnx(load_checkpoint("tiny-llama"), tmp_path / "a", "fp32", max_length=1024, verify=False,
+                log=lambda m: None)
+    alone, batched = runtime.load(tmp_path / "a"), runtime.load(tmp_path / "a", parallel=2)
+    steps = []
+    run = batched.engine.run
+    monkeypatch.setattr(batched.engine, "run", lambda parts: steps.append(
+        [(p.graph, p.prompt, p.seq.slot, p.rows) for p in parts]) or run(parts))
+    long_prompt = [int(t) for t in np.random.default_rng(0).integers(3, 200, 3 * PREFILL_CHUNK + 50)]
+    prompts = [[5, 6, 7, 8], long_prompt]
+    try:
+        want = [alone.generate(p, max_new_tokens=80).token_ids for p in prompts]
+        assert [g.token_ids for g in batched.generate_many(prompts, max_new_tokens=80)] == want
+    finally:
+        batched.close()
+    short_slot = steps[0][0][2]
+    for graph in ("base", "draft"):
+        chunks = [i for i, step in enumerate(steps) for g, prompt, slot, rows in step
+                  if g == graph and prompt and slot != short_slot]
+        # 3 whole chunks and the rest (the head catches up on later plain cycles' tokens in steps of its own)
+        chunks = chunks[:4] if graph == "draft" else chunks
+        assert len(chunks) == 4, graph
+        assert all(rows <= PREFILL_CHUNK for step in steps for g, prompt, slot, rows in step if prompt)
+        for a, b in zip(chunks, chunks[1:]):
+            between = [(g, slot) for step in steps[a + 1:b] for g, prompt, slot, _ in step if not prompt]
+            assert ("base", short_slot) in between, (graph, a, b)

@@ -1,7 +1,7 @@
 """The default tree sized each cycle by this machine's step costs (runtime/step_costs.py,
 eagle2/sizing.py): probed once per machine and kept beside tuning.json, plain steps where rows are
-dear, the whole tree where they are free, the same tokens as plain decoding either way, and the same
-trees side by side as alone."""
+dear, the whole tree where they are free, the same tokens as plain decoding either way, and side by
+side the same tokens as alone, trees sized by each generation's share of the batched step."""
 from __future__ import annotations
 
 import json
@@ -119,3 +119,29 @@ def test_the_table_interpolates_rows_and_context():
     np.testing.assert_allclose(table.verify_seconds(3, 150), [2.0, 3.0, 4.0])
     np.testing.assert_allclose(table.verify_seconds(1, 300), [5.0])  # past the contexts, at their rate
     assert table.draft_seconds(2, 200) == pytest.approx(2.0)
+    # Side by side, one generation's share of a step in which each of them has as many rows.
+    np.testing.assert_allclose(table.verify_seconds(2, 100, generations=2), [1.0, 2.0])
+    np.testing.assert_allclose(table.verify_seconds(1, 100, generations=3), [1.0])
+    assert table.draft_seconds(1, 200, generations=2) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_under_load_trees_shrink_to_plain_steps(smollm2_head_artifact, monkeypatch):
+    """Rows that cost a hundredth of a step: alone, the whole tree pays every cycle; with 64 generations
+    sharing each step, the step's fixed cost is shared and every row costs its rate, so the same table
+    decodes (almost) plain, with the same tokens."""
+    from runtime.batch import Scheduler
+    table = costs(per_row=1e-5, draft=1e-6)
+    alone = runtime.load(smollm2_head_artifact)
+    alone.step_costs = table
+    batched = runtime.load(smollm2_head_artifact, parallel=3)
+    batched.step_costs = table
+    try:
+        want = [alone.generate(p, max_new_tokens=40) for p in PROMPTS]
+        monkeypatch.setattr(Scheduler, "_side_by_side", lambda self: 64)
+        got = batched.generate_many(PROMPTS, max_new_tokens=40)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        tau = [np.mean([a for o in outs for a in o.accept_lengths]) for outs in (want, got)]
+        assert tau[1] < 1.05 < 1.15 < tau[0], tau
+    finally:
+        batched.close()
