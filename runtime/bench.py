@@ -200,9 +200,9 @@ def worker_configs(spec: str, python: str, default_provider: str, trees_spec: st
                    c["draft_bytes"], c["exact"]) for i, c in enumerate(receive())]
 
 
-def peer_configs(names: list[str], model: str, n: int) -> list[Config]:
+def peer_configs(names: list[str], model: str, n: int, positions: int) -> list[Config]:
     configs = []
-    for peer in make_peers(names, model):
+    for peer in make_peers(names, model, positions=positions):
         def run(ids, peer=peer):
             return None, peer.decode(ids, n), None
         configs.append(Config(f"{peer.name} {peer.mode}", run, "peers", None, peer.weight_bytes))
@@ -364,7 +364,9 @@ def main(argv=None) -> int:
     configs = [c for path in a.artifacts for c in
                (worker_configs(path, remote[path], a.provider, a.trees, a.max_new_tokens) if path in remote
                 else artifact_configs(path, a.provider, a.trees, a.max_new_tokens, reuse=a.context > 0))]
-    configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens) if a.peers else []
+    # the peers' context: the document, the question and the reply
+    configs += peer_configs([x for x in a.peers.split(",") if x], a.peer_model, a.max_new_tokens,
+                            a.context + 2048) if a.peers else []
     first = Path(split_spec(a.artifacts[0], a.provider)[0])
     tokenizer = ChatTokenizer(first / read_manifest(first, False)["tokenizer"])
     system = [{"role": "system", "content": document(tokenizer, a.context)}] if a.context else []

@@ -68,11 +68,11 @@ class GenaiPeer(Peer):
 
 
 class LlamaCppPeer(Peer):
-    def __init__(self, gguf: Path, label: str, threads: int | None):
+    def __init__(self, gguf: Path, label: str, threads: int | None, positions: int = 2048):
         import os
 
         import llama_cpp
-        self.llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_batch=512, n_threads=threads or os.cpu_count(),
+        self.llm = llama_cpp.Llama(str(gguf), n_ctx=positions, n_batch=512, n_threads=threads or os.cpu_count(),
                                    flash_attn=True, verbose=False)
         super().__init__(f"llama.cpp {label}", gguf.stat().st_size)
 
@@ -241,9 +241,10 @@ def llamacpp_gguf(source: Path, quant: str) -> Path:
     return path
 
 
-def make_peers(names: list[str], model: str, threads: int | None = None) -> list[Peer]:
-    """genai: its int8 graph; openvino-genai: its int8 IR, plain, prompt lookup and EAGLE-3; llamacpp: the model's own GGUF as shipped and llama.cpp's Q8_0 of it, or
-    the .gguf files `model` names (comma-separated)."""
+def make_peers(names: list[str], model: str, threads: int | None = None, positions: int = 2048) -> list[Peer]:
+    """genai: its int8 graph; openvino-genai: its int8 IR, plain, prompt lookup and EAGLE-3; llamacpp: the
+    model's own GGUF as shipped and llama.cpp's Q8_0 of it, or the .gguf files `model` names
+    (comma-separated), with a context of `positions` (prompt and reply)."""
     unknown = set(names) - set(PEERS)
     if unknown:
         raise PeerError(f"unknown peer {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
@@ -264,7 +265,7 @@ def make_peers(names: list[str], model: str, threads: int | None = None) -> list
             gguf = Path(name)
             if not gguf.is_file():
                 raise PeerError(f"no GGUF file {name}")
-            peers.append(LlamaCppPeer(gguf, gguf.stem.rsplit(".", 1)[-1], threads))
+            peers.append(LlamaCppPeer(gguf, gguf.stem.rsplit(".", 1)[-1], threads, positions))
     elif "llamacpp" in names:
         from models.registry import ALIASES, embedded_gguf
         if not (model in ALIASES and ALIASES[model].base.startswith("pypi:")):
@@ -272,6 +273,6 @@ def make_peers(names: list[str], model: str, threads: int | None = None) -> list
                             "(--peer-model FILE.gguf takes one made with llama.cpp's convert_hf_to_gguf.py)")
         gguf = embedded_gguf()
         shipped = gguf.stem.rsplit(".", 1)[-1]
-        peers.append(LlamaCppPeer(llamacpp_gguf(gguf, "as-is"), f"{shipped} (as shipped)", threads))
-        peers.append(LlamaCppPeer(llamacpp_gguf(gguf, "Q8_0"), "Q8_0", threads))
+        peers.append(LlamaCppPeer(llamacpp_gguf(gguf, "as-is"), f"{shipped} (as shipped)", threads, positions))
+        peers.append(LlamaCppPeer(llamacpp_gguf(gguf, "Q8_0"), "Q8_0", threads, positions))
     return peers
