@@ -223,15 +223,14 @@ def run(artifact: str, prompt_spec: str, levels: list[int], max_tokens: int, ser
         ggufs: list[str]) -> dict:
     gen = load(artifact, prefix_cache_mb=0)
     requests = [[{"role": "user", "content": p.text}] for p in load_prompts(prompt_spec)]
-    want = [gen.generate(gen.tokenizer.apply_chat_template(m), max_new_tokens=max_tokens).text for m in requests]
-    gen_tokenizer = gen.tokenizer
+    ids = [gen.tokenizer.apply_chat_template(m) for m in requests]
+    want = [gen.generate(i, max_new_tokens=max_tokens).text for i in ids]
     del gen
     rows = []
     plan = server_plan(servers, ggufs)
     for n in levels:
         for kind, label, gguf in plan:
             if kind == "openvino-genai":
-                ids = [gen_tokenizer.apply_chat_template(m) for m in requests]
                 results, wall, rss = _openvino_genai_load(gguf, ids, n, max_tokens)
                 rows.append(_summary(kind, label, n, results, wall, rss, None))
                 print(f"{label}, {n} streams: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)

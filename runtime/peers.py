@@ -107,9 +107,8 @@ def hf_checkpoint(model: str):
 
 
 def _convert(what: str, cmd: list[str], out: Path, done_file: str) -> Path:
-    """Run a peer's converter into a scratch folder beside `out`, then move it into place."""
-    if (out / done_file).exists():
-        return out
+    """Run a peer's converter into a scratch folder beside `out`, then move it into place (its callers
+    return the cached `out` before making the converter's input)."""
     scratch = out.with_name(out.name + ".partial")
     shutil.rmtree(scratch, ignore_errors=True)
     done = subprocess.run([*cmd, str(scratch)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -136,7 +135,7 @@ def genai_model(model: str, precision: str) -> Path:
 
 class OpenVinoGenaiWorker:
     """An OpenVINO GenAI pipeline in its own environment (runtime/openvino_genai_worker.py), asked over
-    pipes: plain or prompt-lookup decoding of token ids, or a continuous-batching load."""
+    pipes: plain, prompt-lookup or EAGLE-3 decoding of token ids, or a continuous-batching load."""
 
     def __init__(self, model_dir: Path, mode: str, draft_dir: Path | None = None):
         draft = [str(draft_dir)] if draft_dir else []
