@@ -9,6 +9,7 @@ from pathlib import Path
 from artifact.directory import check_output
 from artifact.manifest import ArtifactError
 from models.config import UnsupportedModelError
+from models.cpu import CPU_KINDS
 from models.gguf_blocks import GGUFBlocksError
 from models.registry import ALIASES
 from models.train_data import DataError
@@ -36,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
                    "needs VNNI or AMX; the default on CPUs with AMX), fp32, fp16 (CUDA), "
                    "gguf (a GGUF's own quantized weights as they are: Q4_0, Q4_1, Q8_0); "
                    "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
+    p.add_argument("--cpu-kind", choices=CPU_KINDS, help="onnx: the CPU kind the artifact is for; its fastest "
+                   "lossless path is the default precision (w8a8 for amx, int8 for the others) and the runtime "
+                   "checks it at load (default: this CPU's kind; " + ", ".join(f"{k}: {v}" for k, v in CPU_KINDS.items())
+                   + ")")
     p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "
                    "bases, fp16 for fp16; ipex: int8; torch: the base's)")
     p.add_argument("--attention", choices=ATTENTIONS, help="exact (default): attention from plain operators; on "
@@ -78,7 +83,7 @@ def export_gated(chosen, ckpt, out: Path, precision: str, options: Options, fall
                 raise QualityError(f"{e}; export {chosen.layout(*safer)}, or keep this one with --min-agreement "
                                    f"{int(e.agreement * 100) / 100}", e.agreement) from None
             log(f"{e}: falling back to {chosen.layout(*safer)}")
-            precision, options = safer
+            precision, options = safer[0], dataclasses.replace(safer[1], precision_from="the quality gate")
 
 
 def main(argv=None) -> int:
@@ -92,12 +97,13 @@ def main(argv=None) -> int:
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     try:
         chosen = target(args.target)
-        precision = chosen.precision(args.precision, log)
         options = Options(args.max_length, verify=not args.no_verify, overwrite=args.force,
                           draft_precision=args.draft_precision, attention=args.attention, int8_block=args.int8_block,
-                          min_agreement=args.min_agreement)
+                          min_agreement=args.min_agreement, cpu_kind=args.cpu_kind,
+                          precision_from="--precision" if args.precision else "the CPU kind's path")
         chosen.check_options(options)
-        chosen.check_cpu(precision, args.draft_precision)
+        precision = chosen.precision(args.precision, log, args.cpu_kind)
+        chosen.check_cpu(precision, args.draft_precision, args.cpu_kind if not args.precision else None)
         chosen.prepare()
         out = args.out or default_out(args.model, precision, chosen.name)
         check_output(out, args.force)

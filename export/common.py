@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from artifact.manifest import write_manifest
-from models.cpu import cpu_flags, kv_bytes_per_position, physical_memory
+from models.cpu import cpu_kind, cpu_name, kv_bytes_per_position, onnx_cpu_path, physical_memory
 from models.draft_vocab import DraftVocab, draft_vocab
 from models.weights import Checkpoint
 
@@ -95,18 +95,21 @@ def default_draft_precision(precision: str) -> str:
 
 # Draft vocabulary size by default: measured on SmolLM2 (docs/design.md, "Reduced draft vocabulary").
 DEFAULT_DRAFT_VOCAB = 8192
-# The CLI's default where the CPU has no AMX: the fastest precision among those speculation is
-# lossless for, and one every x86-64 CPU runs.
-PORTABLE_PRECISION = "int8"
-
-
-def default_precision() -> str:
-    """The CLI's default for the CPU exporting: w8a8 where it has AMX int8 tiles, else int8.
+def default_precision(kind: str | None = None) -> str:
+    """The CLI's default: the fastest lossless path for a CPU kind (models.cpu.CPU_KINDS; this CPU's
+    by default): w8a8 where it has AMX int8 tiles, else int8.
 
     On AMX, w8a8's integer GEMMs make verified rows cheap and its EAGLE-2 decoding measured fastest
     (docs/code-notes.md); its one-token steps are slower than int8's, so without AMX, where rows cost
-    more, int8 stays (w8a8 was not measured faster there, and CPUs without VNNI cannot run it)."""
-    return "w8a8" if "amx_int8" in cpu_flags() else PORTABLE_PRECISION
+    more, int8 stays (CPUs without VNNI cannot run w8a8 exactly at all)."""
+    return onnx_cpu_path(kind or cpu_kind())
+
+
+def cpu_entry(kind: str | None, precision_from: str) -> dict:
+    """The manifest's record of the CPU kind the artifact was exported for (runtime/cpu_fit.py checks it
+    at load): the kind, its path, the CPU exporting, and what chose the precision (the kind's path,
+    --precision, or the quality gate's fallback)."""
+    return {"kind": kind, "path": onnx_cpu_path(kind), "exported_on": cpu_name(), "precision_from": precision_from}
 
 
 def choose_draft_vocab(ckpt: Checkpoint, size: int | None) -> DraftVocab | None:

@@ -46,10 +46,11 @@ def graph_spec(model: onnx.ModelProto, file: str) -> dict:
 def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length: int | None = None,
                 verify: bool = True, overwrite: bool = False, log=print, draft_precision: str | None = None,
                 attention: str | None = None, draft_vocab: DraftVocab | None = None,
-                int8_block: int = INT8_BLOCK, min_agreement: float = MIN_AGREEMENT) -> dict:
+                int8_block: int = INT8_BLOCK, min_agreement: float = MIN_AGREEMENT, cpu: dict | None = None) -> dict:
     """`draft_vocab`: the head drafts from these tokens only (models/draft_vocab.py); None = all.
     `int8_block`: the block size of int8 weights (base and draft), one of INT8_BLOCKS.
     `min_agreement`: the quality gate's threshold (export.quality).
+    `cpu`: the CPU kind it is exported for (export.common.cpu_entry), recorded for the runtime's load check.
 
     Streams: tensors are read, converted and appended to weights.bin one at a time, so memory
     stays near one layer's fp32 weights beside the embedding, whatever the model's size
@@ -103,6 +104,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "stop_token_ids": stop_token_ids(ckpt),
             "tokenizer": "tokenizer",
             "versions": versions(),
+            "cpu": cpu,
         }
         finish_manifest(tmp, manifest, ckpt, draft_vocab, verify, start, log,
                         gate=lambda: check_quality(tmp, manifest, ckpt, min_agreement, log))

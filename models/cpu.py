@@ -24,6 +24,42 @@ def cpu_flags() -> set[str]:
     return set((cpu_info("flags") or "").split())
 
 
+# The CPU kinds whose instructions decide which 8-bit products run, exactly and fast (docs/platforms.md),
+# from the fewest to the most.
+CPU_KINDS = {
+    "avx2": "AVX2 without VNNI",
+    "avx2-vnni": "AVX2 with VNNI (AVX-VNNI)",
+    "avx512": "AVX-512 without VNNI",
+    "avx512-vnni": "AVX-512 with VNNI",
+    "amx": "AMX",
+}
+# Kinds whose 8-bit dot products do not saturate 16-bit pair sums (w8a8 runs exactly on them).
+INT8_DOT_KINDS = ("avx2-vnni", "avx512-vnni", "amx")
+
+
+def cpu_kind(flags: set[str] | None = None) -> str | None:
+    """The CPU_KINDS entry of a CPU with these flags (this one's by default); None off x86-64, where
+    the flags cannot be read, or on an x86-64 CPU without AVX2."""
+    if flags is None:
+        flags = cpu_flags()
+    if not flags or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if "amx_int8" in flags:
+        return "amx"
+    if {"avx512f", "avx512bw"} <= flags:
+        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
+    if "avx2" in flags:
+        return "avx2-vnni" if "avx_vnni" in flags else "avx2"
+    return None
+
+
+def onnx_cpu_path(kind: str | None) -> str:
+    """The fastest ONNX precision whose speculation is lossless on a CPU kind: w8a8 where AMX's integer
+    tiles make verified rows cheap, int8 (8-bit weights) elsewhere, the precision every x86-64 CPU runs
+    (measured per kind in docs/benchmarks.md, "By CPU kind")."""
+    return "w8a8" if kind == "amx" else "int8"
+
+
 def int8_dot_products() -> bool:
     """Whether the CPU multiplies 8-bit integers without saturating 16-bit pair sums: x86 with VNNI
     or AMX. True off x86 (the saturating kernel is x86's) and where the flags cannot be read

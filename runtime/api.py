@@ -1,6 +1,7 @@
 """Public API: runtime.load(artifact) -> Generator with generate / stream / chat / hf_generate."""
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ import numpy as np
 
 from artifact.manifest import read_manifest
 
+from . import cpu_fit
 from .batch import FINISHED, Scheduler
 from .engine import Engine
 from .generation import DEFAULT_LOOKUP, Decoder, Settings, tree_label
@@ -19,6 +21,8 @@ from .providers import check_provider
 from .step_costs import load_or_probe
 from .tokenizer import ChatTokenizer, StopStrings, StreamDecoder
 from .tuning import plain_from, read_tuning
+
+log = logging.getLogger("runtime")
 
 CANCEL_POLL_S = 0.05  # how often a generation waiting on the scheduler looks at its cancel event
 
@@ -70,6 +74,8 @@ class Generator:
         self.provider = provider
         self.engine = Engine(self.path, self.manifest, provider, max_length, threads, device, provider_options,
                              sequences=parallel)
+        if provider == "cpu" and (why := cpu_fit.advice(self.manifest)):
+            log.warning(why)
         self.tokenizer = ChatTokenizer(self.path / self.manifest["tokenizer"])
         self.stop_ids = set(self.manifest["stop_token_ids"])
         # The tree used when a call names none: what `python -m runtime tune` chose for this provider,

@@ -18,8 +18,8 @@ import numpy as np
 import onnxruntime as ort
 
 from artifact.graphs import GraphSpec
-from models.cpu import int8_dot_products
 
+from . import cpu_fit
 from .backend import ProviderError
 from .caches import DeviceCaches, HostCaches, move_positions, torch_dtype
 from .torch_device import DeviceRows
@@ -151,12 +151,9 @@ class GraphSession:
             if provider == "cuda" and not precisions <= set(CUDA_PRECISIONS):
                 raise ProviderError(f"a {'/'.join(sorted(precisions))} artifact would run part of each step on the CPU "
                                     f"under provider {provider!r}: export it with --precision fp16 (or fp32, int8)")
-        if manifest.get("precision") == "w8a8" and provider != "cuda" and not int8_dot_products():
-            # Without VNNI, MLAS multiplies uint8 by int8 with vpmaddubsw, whose 16-bit pair sums saturate
-            # on w8a8's full-range operands: the products would be wrong, not merely rounded. The openvino
-            # provider is held to the same rule: its kernels were not checked on such CPUs.
-            raise ProviderError("w8a8 artifacts need a CPU with 8-bit dot products (AVX512-VNNI, AVX-VNNI or AMX); "
-                                "this one has none: export --precision int8 instead")
+        # The openvino provider is held to the CPU's rule too: its kernels were not checked on such CPUs.
+        if provider != "cuda" and (why := cpu_fit.refusal(manifest)):
+            raise ProviderError(why)
 
     @staticmethod
     def batches(manifest: dict) -> bool:

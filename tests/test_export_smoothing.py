@@ -72,7 +72,8 @@ def test_default_precision_is_w8a8_only_with_amx(flags, precision, monkeypatch):
     int8 elsewhere; the default precision keeps the plain artifact name."""
     from export.cli import default_out
     from export.common import default_precision
-    monkeypatch.setattr("export.common.cpu_flags", lambda: flags)
+    monkeypatch.setattr("models.cpu.cpu_flags", lambda: flags)
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
     assert default_precision() == precision
     assert default_out("smollm2-135m", precision).name == "smollm2-135m"
     other = "int8" if precision == "w8a8" else "w8a8"
