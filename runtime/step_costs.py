@@ -45,6 +45,10 @@ class StepCosts:
 
     @staticmethod
     def _at(grid, table, contexts, rows: np.ndarray, context: int) -> np.ndarray:
+        # A step of more rows never costs less than one of fewer: where one was measured cheaper, the
+        # fewer rows' figure caught a slow moment of the machine, so each size takes the least of its
+        # own and every larger size's.
+        table = [np.minimum.accumulate(np.asarray(t, dtype=np.float64)[::-1])[::-1] for t in table]
         low, high = (np.interp(rows, grid, t, right=np.nan) for t in table)
         # Past the grid's largest step, the cost of its last rows goes on growing at their rate.
         for values, t in ((low, table[0]), (high, table[1])):
@@ -76,37 +80,30 @@ def _signature(engine: Engine) -> tuple[str, int]:
     return cpu_name(), engine.threads or os.cpu_count() or 1
 
 
-def _time(run, reps: int) -> float:
-    if reps > 1:
-        run()  # the first step at a size may re-lay the caches out
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _time(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def _tokens(engine: Engine, n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64) % engine.manifest["model"]["config"]["vocab_size"]
 
 
-def verify_step_seconds(engine: Engine, seq, rows: int, context: int, reps: int) -> float:
-    """The fastest of `reps` verify steps of a chain of `rows` tokens at `context` (a chain: the cost
-    depends on the rows only)."""
+def verify_step_seconds(engine: Engine, seq, rows: int, context: int) -> float:
+    """A verify step of a chain of `rows` tokens at `context` (a chain: the cost depends on the rows only)."""
     tree = tree_from_parents(_tokens(engine, rows), np.arange(rows) - 1)
-    return _time(lambda: engine.run([engine.verify_rows(tree, context, seq)]), reps)
+    return _time(lambda: engine.run([engine.verify_rows(tree, context, seq)]))
 
 
-def draft_step_seconds(engine: Engine, seq, rows: int, context: int, reps: int) -> float:
-    """The fastest of `reps` head steps expanding `rows` nodes at `context`."""
+def draft_step_seconds(engine: Engine, seq, rows: int, context: int) -> float:
+    """A head step expanding `rows` nodes at `context`."""
     features = engine.base.device_array(np.zeros((rows, engine.hidden_size), engine.io_dtype))
     return _time(lambda: engine.run([engine.draft_expand_rows(_tokens(engine, rows), features,
-                                                              np.ones((rows, rows), bool), context, 0, rows, seq)]),
-                 reps)
+                                                              np.ones((rows, rows), bool), context, 0, rows, seq)]))
 
 
-def probe(engine: Engine, reps: int = 3) -> StepCosts:
+def probe(engine: Engine, reps: int = 5) -> StepCosts:
     """Time verify and draft steps at CONTEXTS (the second cut to this engine's max_length), over the
     solo sequence's caches before any generation (a later one overwrites what the steps wrote)."""
     machine, threads = _signature(engine)
@@ -119,7 +116,13 @@ def probe(engine: Engine, reps: int = 3) -> StepCosts:
         # The caches held just above the context, growing with the rows as a generation's would.
         for session in (engine.base, engine.draft):
             session.reserve(context + 1, shrink=True)
-        return tuple(measure(engine, seq, r, context, reps) for r in sizes)
+        # The fastest of `reps` steps a size (a size's first step may also re-lay the caches out), the
+        # sizes taken in turn, so that a slow moment on a shared machine lands on one step of several
+        # sizes rather than on every step of one.
+        best = [measure(engine, seq, r, context) for r in sizes]
+        for _ in range(reps - 1 if reps > 1 else 0):
+            best = [min(b, measure(engine, seq, r, context)) for b, r in zip(best, sizes)]
+        return tuple(best)
 
     try:
         rows = ROWS
@@ -134,7 +137,7 @@ def probe(engine: Engine, reps: int = 3) -> StepCosts:
     return StepCosts(machine, threads, contexts, rows, verify, DRAFT_ROWS, draft)
 
 
-def load_or_probe(artifact, provider: str, engine: Engine, fresh: bool = False, reps: int = 3) -> StepCosts:
+def load_or_probe(artifact, provider: str, engine: Engine, fresh: bool = False, reps: int = 5) -> StepCosts:
     """This machine's table for the artifact: the one kept in tuning.json, else (or with `fresh`) a new
     probe of `reps` steps a size, kept there (where the artifact's directory cannot be written, used
     for this load only, said)."""

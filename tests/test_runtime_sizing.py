@@ -125,6 +125,15 @@ def test_the_table_interpolates_rows_and_context():
     assert table.draft_seconds(1, 200, generations=2) == pytest.approx(1.0)
 
 
+def test_a_size_measured_dearer_than_a_larger_one_takes_the_larger_ones_cost():
+    """A probe on a shared machine once measured 2 rows at 9.0 ms and 3 at 7.9: a size's figure is
+    the least of its own and every larger size's, so a slow moment cannot make a tree look dear."""
+    table = StepCosts("test", 1, (100, 200), (1, 2, 3, 4), ((7.3, 9.0, 7.9, 9.4), (7.7, 9.7, 9.9, 11.7)), (1, 2),
+                      ((0.5, 1.0), (1.5, 2.0)))
+    np.testing.assert_allclose(table.verify_seconds(4, 100), [7.3, 7.9, 7.9, 9.4])
+    np.testing.assert_allclose(table.verify_seconds(4, 200), [7.7, 9.7, 9.9, 11.7])
+
+
 @pytest.mark.slow
 def test_under_load_trees_shrink_to_plain_steps(smollm2_head_artifact, monkeypatch):
     """Rows that cost a hundredth of a step: alone, the whole tree pays every cycle; with 64 generations
