@@ -11,6 +11,7 @@ from models.tensors import tensor_shape
 from models.weights import Checkpoint
 
 from .common import ExportError
+from .smoothing import SMOOTHED_PRECISIONS
 
 GIB = 1 << 30
 # Python, torch, onnx and ONNX Runtime loaded, with the tokenizer and the draft vocabulary's counts.
@@ -50,7 +51,7 @@ def estimate(ckpt: Checkpoint, target: str, precision: str, verify: bool) -> Est
     layer = 4 * max(sum(prod(s) for k, s in shapes.items() if k.startswith(f"model.layers.{i}."))
                     for i in range(cfg.num_layers))
     phases = {"building the graphs": QUANTIZE_TEMPORARIES * max(vocab_fp32, fused_ffn)}
-    if precision == "w8a8":
+    if precision in SMOOTHED_PRECISIONS:
         phases["SmoothQuant calibration"] = layer + vocab_fp32
     if verify:
         embedding = vocab_fp32 // (2 if precision == "fp16" else 1)
@@ -67,7 +68,7 @@ def fp32_model_bytes(ckpt: Checkpoint) -> int:
 
 
 def resident_calibration(ckpt: Checkpoint, target: str, precision: str, verify: bool) -> bool:
-    """Whether w8a8's calibration may hold the whole fp32 model: only where that stays within the
+    """Whether SmoothQuant's calibration may hold the whole fp32 model: only where that stays within the
     export's estimated peak anyway (small models), so that no export exceeds its estimate."""
     return BASE_BYTES + fp32_model_bytes(ckpt) <= estimate(ckpt, target, precision, verify).peak
 

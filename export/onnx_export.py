@@ -26,7 +26,7 @@ from .memory import check_memory, resident_calibration
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS,
                          build_base, build_draft, build_draft_eagle3, lm_head_name)
 from .onnx_writer import WEIGHTS_FILE, WeightStore
-from .smoothing import ALPHA, SMOOTHED, activation_maxima, smooth
+from .smoothing import ALPHA, SMOOTHED, SMOOTHED_PRECISIONS, activation_maxima, smooth
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
 DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
@@ -66,7 +66,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     n_positions = max_length + TREE_POSITION_MARGIN
     start = time.time()
     state, smoothing = fp32_arrays(ckpt.state), None
-    if precision == "w8a8":
+    if precision in SMOOTHED_PRECISIONS:
         state, smoothing = _smoothed(cfg, state, ckpt.tokenizer, resident_calibration(ckpt, "onnx", precision, verify))
         # the parity check compares the graphs with the weights they hold: the smoothed ones
         ckpt = dataclasses.replace(ckpt, state=LazyTensors(state.keys(), lambda k: torch.from_numpy(state[k])))
@@ -138,7 +138,7 @@ def _gguf_blocks(ckpt: Checkpoint) -> dict:
 
 
 def _smoothed(cfg, state: Mapping, tokenizer, resident: bool) -> tuple[Mapping, dict]:
-    """w8a8's weights with SmoothQuant folded in, and the manifest's record of how."""
+    """The weights with SmoothQuant folded in, and the manifest's record of how."""
     maxima, calibration = activation_maxima(cfg, state, tokenizer, resident)
     record = {"method": "SmoothQuant", "alpha": ALPHA, "layers": list(SMOOTHED), "calibration": calibration}
     return smooth(cfg, state, maxima), record

@@ -1,7 +1,8 @@
-"""SmoothQuant (arXiv 2211.10438) for the w8a8 precision.
+"""SmoothQuant (arXiv 2211.10438) for the precisions whose products quantize activations to 8 bits.
 
-w8a8 quantizes each activation row with one scale (export/onnx_graph.py: Builder._w8a8_linear), so a
-few large channels set the scale of a whole row and flatten every other channel's resolution.
+w8a8 quantizes each activation row with one scale (export/onnx_graph.py: Builder._w8a8_linear), and
+int8's MatMulNBits at accuracy level 4 each block of 32 input channels of a row, so a few large
+channels set the scale of a whole row (or block) and flatten every other channel's resolution.
 SmoothQuant moves that range into the weights: channel j of a linear layer's input is divided by
 s_j and the layer's weight column j multiplied by it, which leaves the product unchanged in exact
 arithmetic. The division is folded into whatever writes the input, so it costs nothing at run time:
@@ -10,7 +11,7 @@ is silu(gate) * up, linear in up). s_j = max|x_j|^alpha / max|W_:j|^(1 - alpha),
 own activations on a fixed calibration set (chat prompts with fixed replies, teacher-forced).
 
 Smoothing q/k/v, gate/up and down_proj raises w8a8's agreement with fp32 towards int8's, and alpha
-0.5 did best (docs/code-notes.md). o_proj's input (the attention output) and lm_head's (the final
+0.5 did best (docs/code-notes.md); it also raises int8's, on held-out chats (docs/design.md, "Precisions"). o_proj's input (the attention output) and lm_head's (the final
 norm's, which is also the draft head's feature) are left as they are: row-quantizing either alone
 lost little.
 """
@@ -28,6 +29,8 @@ from models.llama import CausalLM, KVCache, causal_bias, forward_layers
 from models.tensors import LazyTensors, layer_tensors
 
 ALPHA = 0.5
+# The ONNX precisions whose weights are smoothed at export.
+SMOOTHED_PRECISIONS = ("int8", "w8a8")
 # Varied on purpose (chat, code, arithmetic, a list, prose, translation): the maxima should see
 # every kind of text. Each prompt comes with a fixed reply, so that calibration is one
 # teacher-forced pass that runs a layer at a time (forward_layers), whatever the model's size;

@@ -81,6 +81,16 @@ def test_smollm2_default_export_is_lossless(smollm2_default_artifact):
             assert spec.token_ids == plain.token_ids, (prompt.category, total_tokens, depth, top_k, lookup)
 
 
+def test_smollm2_default_export_answers_the_demo_as_fp32_does(smollm2_default_artifact, smollm2_head_artifact):
+    """ci/demo.sh's question, whose first token is a near-tie in fp32 ("The" against "L", 0.08 nats
+    apart): the default export's 8-bit activations, smoothed, keep fp32's answer."""
+    replies = []
+    for artifact in (smollm2_default_artifact, smollm2_head_artifact):
+        gen = runtime.load(artifact)
+        replies.append(gen.generate(gen.tokenizer.apply_chat_template(QUESTION), max_new_tokens=24).text)
+    assert replies[0] == replies[1] and "Paris" in replies[0], replies
+
+
 def test_smollm2_with_the_earlier_eagle2_head(smollm2_artifact, export_cli, tmp_path):
     """The alias's EAGLE-1/2 head before the EAGLE-3 one stays exportable for comparison
     (--head shipped:smollm2-135m), and lossless."""
