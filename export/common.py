@@ -95,6 +95,8 @@ def default_draft_precision(precision: str) -> str:
 
 # Draft vocabulary size by default: measured on SmolLM2 (docs/design.md, "Reduced draft vocabulary").
 DEFAULT_DRAFT_VOCAB = 8192
+
+
 def default_precision(kind: str | None = None) -> str:
     """The CLI's default: the fastest lossless path for a CPU kind (models.cpu.CPU_KINDS; this CPU's
     by default): w8a8 where it has AMX int8 tiles, else int8.

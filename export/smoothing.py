@@ -11,9 +11,9 @@ is silu(gate) * up, linear in up). s_j = max|x_j|^alpha / max|W_:j|^(1 - alpha),
 own activations on a fixed calibration set (chat prompts with fixed replies, teacher-forced).
 
 Smoothing q/k/v, gate/up and down_proj raises w8a8's agreement with fp32 towards int8's, and alpha
-0.5 did best (docs/code-notes.md); it also raises int8's, on held-out chats (docs/design.md, "Precisions"). o_proj's input (the attention output) and lm_head's (the final
-norm's, which is also the draft head's feature) are left as they are: row-quantizing either alone
-lost little.
+0.5 did best (docs/code-notes.md); it also raises int8's, on held-out chats (docs/design.md,
+"Precisions"). o_proj's input (the attention output) and lm_head's (the final norm's, which is also
+the draft head's feature) are left as they are: row-quantizing either alone lost little.
 """
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ CPU_KINDS = {
     "avx512-vnni": "AVX-512 with VNNI",
     "amx": "AMX",
 }
-# Kinds whose 8-bit dot products do not saturate 16-bit pair sums (w8a8 runs exactly on them).
-INT8_DOT_KINDS = ("avx2-vnni", "avx512-vnni", "amx")
 
 
 def cpu_kind(flags: set[str] | None = None) -> str | None:

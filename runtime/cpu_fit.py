@@ -26,7 +26,7 @@ def refusal(manifest: dict) -> str | None:
     if "w8a8" in (manifest.get("precision"), manifest.get("draft_precision")) and not int8_dot_products():
         kind = cpu_kind()
         return (f"w8a8 artifacts need a CPU with 8-bit dot products (AVX512-VNNI, AVX-VNNI or AMX), which "
-                f"{_this_cpu(kind)} lacks: export --precision int8 for it, {_reexport(manifest, kind)}")
+                f"{_this_cpu(kind)} lacks: re-export it as int8 with {_reexport(manifest, kind)}")
     return None
 
 

@@ -120,7 +120,7 @@ def probe(engine: Engine, reps: int = 5) -> StepCosts:
         # sizes taken in turn, so that a slow moment on a shared machine lands on one step of several
         # sizes rather than on every step of one.
         best = [measure(engine, seq, r, context) for r in sizes]
-        for _ in range(reps - 1 if reps > 1 else 0):
+        for _ in range(reps - 1):
             best = [min(b, measure(engine, seq, r, context)) for b, r in zip(best, sizes)]
         return tuple(best)
 
