@@ -9,7 +9,7 @@ from pathlib import Path
 from artifact.directory import check_output
 from artifact.manifest import ArtifactError
 from models.config import UnsupportedModelError
-from models.cpu import CPU_KINDS
+from models.cpu import CPU_KINDS, FROM_KIND_PATH
 from models.gguf_blocks import GGUFBlocksError
 from models.registry import ALIASES
 from models.train_data import DataError
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         options = Options(args.max_length, verify=not args.no_verify, overwrite=args.force,
                           draft_precision=args.draft_precision, attention=args.attention, int8_block=args.int8_block,
                           min_agreement=args.min_agreement, cpu_kind=args.cpu_kind,
-                          precision_from="--precision" if args.precision else "the CPU kind's path")
+                          precision_from="--precision" if args.precision else FROM_KIND_PATH)
         chosen.check_options(options)
         precision = chosen.precision(args.precision, log, args.cpu_kind)
         chosen.check_cpu(precision, args.draft_precision, args.cpu_kind if not args.precision else None)

@@ -51,6 +51,11 @@ def cpu_kind(flags: set[str] | None = None) -> str | None:
     return None
 
 
+# The manifest's record that an export's precision is its CPU kind's path (not asked for, nor the quality
+# gate's fallback): what the runtime's load check advises on (runtime/cpu_fit.py).
+FROM_KIND_PATH = "the CPU kind's path"
+
+
 def onnx_cpu_path(kind: str | None) -> str:
     """The fastest ONNX precision whose speculation is lossless on a CPU kind: w8a8 where AMX's integer
     tiles make verified rows cheap, int8 (8-bit weights) elsewhere, the precision every x86-64 CPU runs

@@ -4,7 +4,7 @@ exactly here is refused, and one made for another kind's path, where this kind's
 loaded with advice naming the export that gives this CPU's path."""
 from __future__ import annotations
 
-from models.cpu import CPU_KINDS, cpu_kind, int8_dot_products, onnx_cpu_path
+from models.cpu import CPU_KINDS, FROM_KIND_PATH, cpu_kind, int8_dot_products, onnx_cpu_path
 
 
 def _reexport(manifest: dict, kind: str | None) -> str:
@@ -36,7 +36,7 @@ def advice(manifest: dict) -> str | None:
     also where the precision was asked for or chosen by the quality gate."""
     made_for = manifest.get("cpu") or {}
     here = cpu_kind()
-    if made_for.get("precision_from") != "the CPU kind's path" or here is None or made_for.get("kind") == here:
+    if made_for.get("precision_from") != FROM_KIND_PATH or here is None or made_for.get("kind") == here:
         return None
     best = onnx_cpu_path(here)
     if best == manifest.get("precision"):

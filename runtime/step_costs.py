@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -44,11 +45,23 @@ class StepCosts:
     draft: tuple[tuple[float, ...], tuple[float, ...]]
 
     @staticmethod
+    def _rising(table) -> tuple[np.ndarray, np.ndarray]:
+        """A step of more rows never costs less than one of fewer: where one was measured cheaper, the
+        fewer rows' figure caught a slow moment of the machine, so each size takes the least of its own
+        and every larger size's."""
+        return tuple(np.minimum.accumulate(np.asarray(t, dtype=np.float64)[::-1])[::-1] for t in table)
+
+    # The tables the sizing reads, made rising once per table rather than at every cycle's sizing.
+    @cached_property
+    def _verify_rising(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._rising(self.verify)
+
+    @cached_property
+    def _draft_rising(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._rising(self.draft)
+
+    @staticmethod
     def _at(grid, table, contexts, rows: np.ndarray, context: int) -> np.ndarray:
-        # A step of more rows never costs less than one of fewer: where one was measured cheaper, the
-        # fewer rows' figure caught a slow moment of the machine, so each size takes the least of its
-        # own and every larger size's.
-        table = [np.minimum.accumulate(np.asarray(t, dtype=np.float64)[::-1])[::-1] for t in table]
         low, high = (np.interp(rows, grid, t, right=np.nan) for t in table)
         # Past the grid's largest step, the cost of its last rows goes on growing at their rate.
         for values, t in ((low, table[0]), (high, table[1])):
@@ -63,12 +76,12 @@ class StepCosts:
         decoding side by side, one generation's share of a step in which each of them has as many rows:
         under load a tree's rows cost the step's rate per row, and its fixed cost is shared."""
         rows = generations * np.arange(1, max_rows + 1, dtype=np.float64)
-        return self._at(self.rows, self.verify, self.contexts, rows, context) / generations
+        return self._at(self.rows, self._verify_rising, self.contexts, rows, context) / generations
 
     def draft_seconds(self, rows: int, context: int, generations: int = 1) -> float:
         """The head's step with `rows` rows (each generation's share, as verify_seconds)."""
         total = np.array([float(rows * generations)])
-        return float(self._at(self.draft_rows, self.draft, self.contexts, total, context)[0]) / generations
+        return float(self._at(self.draft_rows, self._draft_rising, self.contexts, total, context)[0]) / generations
 
     def describe(self) -> str:
         one = self.verify_seconds(1, self.contexts[0])[0]
