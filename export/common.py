@@ -36,15 +36,16 @@ class ExportError(ValueError):
     pass
 
 
-def default_max_length(cfg, log) -> int:
-    """The model's context (max_position_embeddings), capped by this machine's memory (said)."""
-    per_position, memory = kv_bytes_per_position(cfg), physical_memory()
+def default_max_length(cfg, log, value_bytes: int = 4) -> int:
+    """The model's context (max_position_embeddings), capped by this machine's memory (said), for
+    caches of `value_bytes` a value."""
+    per_position, memory = kv_bytes_per_position(cfg, value_bytes), physical_memory()
     cap = max(64, memory // KV_MEMORY_SHARE // per_position // 64 * 64)
     context = cfg.max_position_embeddings
     if context <= cap:
         return context
     log(f"max_length {cap}: the model's context is {context} positions, and one sequence's K/V at that length "
-        f"takes {context * per_position / GIB:.1f} GiB in fp32, more than 1/{KV_MEMORY_SHARE} of this machine's "
+        f"takes {context * per_position / GIB:.1f} GiB in fp{8 * value_bytes}, more than 1/{KV_MEMORY_SHARE} of this machine's "
         f"{memory / GIB:.0f} GiB (--max-length N chooses another)")
     return cap
 

@@ -14,16 +14,18 @@ import torch
 from tqdm import tqdm
 
 from artifact.directory import atomic_directory
+from models.cpu import cpu_kind
 from models.draft_vocab import DraftVocab
 from models.gguf_blocks import read_blocks
 from models.tensors import LazyTensors, fp32_arrays
 from models.weights import Checkpoint
+from runtime import kernels
 
 from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_draft_precision, default_max_length,
                      draft_vocab_entry, finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .quality import MIN_AGREEMENT, check_quality
 from .memory import check_memory, resident_calibration
-from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS,
+from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, SLOTTED_ATTENTIONS,
                          build_base, build_draft, build_draft_eagle3, lm_head_name)
 from .onnx_writer import WEIGHTS_FILE, WeightStore
 from .smoothing import ALPHA, SMOOTHED, SMOOTHED_PRECISIONS, activation_maxima, smooth
@@ -59,7 +61,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     blocks = _gguf_blocks(ckpt) if precision == "gguf" else None
     cfg = ckpt.cfg
     if max_length is None:
-        max_length = default_max_length(cfg, log)
+        max_length = default_max_length(cfg, log, 2 if attention == "kernel" else 4)
     if max_length < 16:
         raise ExportError(f"--max-length {max_length} is too small (at least 16)")
     check_memory(ckpt, "onnx", precision, verify, log)
@@ -87,7 +89,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # Whether verification computes every tree node bitwise as plain decoding does (on ONNX
             # Runtime's CPU kernels, tested), so that greedy speculative output equals plain output.
             # fp16 is for CUDA, whose kernels make no such promise.
-            "verify_exact": attention == "exact" and precision != "fp16",
+            "verify_exact": attention in SLOTTED_ATTENTIONS and precision != "fp16",
             # MLAS's 4-bit MatMulNBits (accuracy level 4) computes a one-row product by another path
             # than a multi-row one on AVX2 CPUs, so the runtime runs one-token steps of such
             # artifacts as two rows.
@@ -111,14 +113,26 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     return json.loads((out / "manifest.json").read_text())
 
 
+def default_attention(precision: str) -> str:
+    """kernel on x86-64 CPUs with AVX2 (every CPU kind; the operator needs AVX2, FMA and F16C) for the
+    CPU's precisions, else exact: fp16 is for CUDA, which runs the exact attention's graphs."""
+    return "kernel" if precision != "fp16" and cpu_kind() is not None else "exact"
+
+
 def _check_options(precision: str, attention: str | None, draft_precision: str | None,
                    int8_block: int) -> tuple[str, str]:
     """(attention, draft precision), the defaults filled in; ExportError for what cannot be built."""
     if precision not in PRECISIONS:
         raise ExportError(f"unsupported precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    attention = attention or "exact"
+    attention = attention or default_attention(precision)
     if attention not in ATTENTIONS:
         raise ExportError(f"unsupported attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if attention == "kernel":
+        if precision == "fp16":
+            raise ExportError("--attention kernel runs on the CPU, in fp32 beside its 16-bit caches: "
+                              "fp16 (for CUDA) pairs with exact or fused attention")
+        if why := kernels.missing():
+            raise ExportError(f"--attention kernel: {why}")
     draft_precision = draft_precision or default_draft_precision(precision)
     if int8_block not in INT8_BLOCKS:
         raise ExportError(f"unsupported int8 block size {int8_block}; choose one of {', '.join(map(str, INT8_BLOCKS))}")

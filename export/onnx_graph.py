@@ -12,7 +12,7 @@ total being the attention bias width (cached tokens + T). With exact attention i
 sequences, [sequences, kv_heads, max_length, width], and each new row goes to its own sequence and
 position (declare_step_inputs), so that one step may carry the rows of many sequences.
 
-Two attention implementations:
+Three attention implementations:
 - "fused": GroupQueryAttention (fused RoPE, in-place cache). Fastest, but its arithmetic for a row
   depends on where the row's keys sit: a one-token step takes another path than a multi-token one,
   and a tree node whose ancestors are not contiguous sums its softmax in another order than the
@@ -28,6 +28,11 @@ Two attention implementations:
   block from the width of the product each thread computes, so the value rows are cut into chunks
   of at most VALUE_CHUNK columns, one matmul each: a chunk is never split between threads, and
   the block is the same for every step size, context and thread count.
+- "kernel": the exact attention's contract in one custom operator per layer, CacheAttention
+  (runtime/kernels/cache_attention.cc, built by ci/build_kernels.sh): a row reads only the keys its
+  bias allows (from caches stored in 16 bits beside quantized weights), and its sums do not depend
+  on where those keys sit, so it has no key blocks to respect and reads less the fuller a step's
+  capacity is. The default for the CPU's precisions on x86-64 (export/onnx_export.py).
 """
 from __future__ import annotations
 
@@ -48,9 +53,19 @@ from models.llama import eagle3_layers
 from models.rope import cos_sin_tables
 
 from .onnx_writer import Graph
+from .quantize import quantize_8bit, quantize_channels_8bit
 
 PRECISIONS = ("fp32", "fp16", "int8", "w8a8", "gguf")
-ATTENTIONS = ("exact", "fused")
+ATTENTIONS = ("exact", "kernel", "fused")
+# The custom operators of "kernel" attention (runtime/kernels/cache_attention.cc), by cache dtype.
+KERNEL_DOMAIN = "eagle2"
+KERNEL_OPS = {TensorProto.FLOAT: "CacheAttention", TensorProto.FLOAT16: "CacheAttentionF16"}
+# Beside quantized weights its caches are stored in fp16, as llama.cpp stores them: at long context a
+# step is the reading of the caches, and 16 bits halve it. Rounded once, when written, so every step
+# reads the same bits. An fp32 export keeps fp32 caches: it is the reference precision.
+FP16_CACHE_PRECISIONS = ("int8", "w8a8", "gguf")
+# Attentions whose caches hold several sequences, a step's rows placed by sequence and slot.
+SLOTTED_ATTENTIONS = ("exact", "kernel")
 # MLAS's fp32 GEMM accumulates the inner dimension in blocks (MlasSgemmOperation's StrideK): 128
 # keys for products wider than 64 columns, up to 1,024 for those of at most 16. It splits a product
 # wider than 16 columns between threads by columns when it has few rows, each thread then blocking
@@ -91,39 +106,6 @@ class Precision:
     @property
     def onnx_io(self) -> int:
         return helper.np_dtype_to_tensor_dtype(np.dtype(self.io_dtype))
-
-
-def quantize_8bit(w: np.ndarray, block: int = INT8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric 8-bit blockwise weights in MatMulNBits layout (implicit zero point 128).
-
-    w is [N, K] (a torch Linear weight). Returns B [N, K/block, block] uint8 and scales [N, K/block].
-    """
-    n, k = w.shape
-    pad = -k % block
-    w = np.pad(w.astype(np.float32), ((0, 0), (0, pad))).reshape(n, -1, block)
-    scale = np.abs(w).max(axis=-1) / 127.0
-    scale[scale == 0] = 1.0
-    q = np.clip(np.rint(w / scale[..., None]) + 128, 0, 255).astype(np.uint8)
-    return q, scale.astype(np.float32)
-
-
-def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:
-    w = (q.astype(np.float32) - 128) * scale[..., None]
-    return w.reshape(q.shape[0], -1)[:, :k]
-
-
-def quantize_channels_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 weights with one scale per output channel (the w8a8 precision).
-
-    w is [N, K] (a torch Linear weight). Returns q [N, K] int8 and scales [N]."""
-    scale = np.abs(w).max(axis=1) / 127.0
-    scale[scale == 0] = 1.0
-    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return q, scale.astype(np.float32)
-
-
-def dequantize_channels_8bit(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return q.astype(np.float32) * scale[:, None]
 
 
 class Builder:
@@ -238,7 +220,9 @@ class Builder:
 
     def attention(self, cfg: ModelConfig, prefix: str, x: str, layer: str, io: "StepInputs") -> str:
         qkv = self.proj(x, f"{prefix}self_attn.", ["q_proj", "k_proj", "v_proj"])
-        attn = (self._exact_attention if io.exact else self._fused_attention)(cfg, qkv, layer, io)
+        attend = {"exact": self._exact_attention, "kernel": self._kernel_attention}.get(io.attention,
+                                                                                         self._fused_attention)
+        attn = attend(cfg, qkv, layer, io)
         o_bias = self.state.get(f"{prefix}self_attn.o_proj.bias")
         return self.linear(attn, f"{prefix}self_attn.o_proj", self.state[f"{prefix}self_attn.o_proj.weight"], o_bias)
 
@@ -252,6 +236,27 @@ class Builder:
                     domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
                     do_rotary=1, rotary_interleaved=0)
         return g.op("Reshape", [attn, g.const([-1, cfg.num_heads * cfg.head_dim])])
+
+    def _rotate(self, t: str, heads: int, d: str, io: "StepInputs") -> str:
+        """RoPE of rows [T, heads * d] at position_ids, as [1, T, heads * d]."""
+        t = self.g.op("Reshape", [t, self.g.const([1, -1, heads * d])])
+        return self.g.op("RotaryEmbedding", [t, "position_ids", io.cos, io.sin], domain="com.microsoft",
+                         num_heads=heads, interleaved=0)
+
+    def _kernel_attention(self, cfg: ModelConfig, qkv: str, layer: str, io: "StepInputs") -> str:
+        """The exact attention's contract (the same step inputs, each row computed independently
+        of the others) in one custom operator per layer (runtime/kernels/cache_attention.cc), which
+        reads each row's allowed keys only, from caches stored in io.cache_dtype."""
+        g = self.g
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = g.op("Split", [qkv, g.const([heads * d, kv_heads * d, kv_heads * d])], 3, axis=-1)
+        attn, _, _ = g.op(KERNEL_OPS[io.cache_dtype],
+                          [self._rotate(q, heads, d, io), self._rotate(k, kv_heads, d, io), v,
+                           f"past_key_{layer}", f"past_value_{layer}", "attention_bias", "row_scatter",
+                           "cache_sequences", "cache_slots"],
+                          [f"attn_{layer}", f"present_key_{layer}", f"present_value_{layer}"],
+                          domain=KERNEL_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, scale=float(d ** -0.5))
+        return g.op("Reshape", [attn, g.const([-1, heads * d])])
 
     def _exact_attention(self, cfg: ModelConfig, qkv: str, layer: str, io: "StepInputs") -> str:
         """softmax(q k^T / sqrt(d) + bias) v over its sequence's whole cache, each row computed
@@ -273,9 +278,7 @@ class Builder:
         q, k, v = g.op("Split", [qkv, g.const([heads * d, kv_heads * d, kv_heads * d])], 3, axis=-1)
 
         def rotate(t: str, n: int) -> str:
-            t = g.op("Reshape", [t, g.const([1, -1, n * d])])
-            return g.op("RotaryEmbedding", [t, "position_ids", io.cos, io.sin], domain="com.microsoft",
-                        num_heads=n, interleaved=0)
+            return self._rotate(t, n, d, io)
 
         def write(cache: str, new: str, heads: int) -> str:
             """new [T, heads, width] into the cache, row t in sequence cache_sequences[t] at position
@@ -345,7 +348,8 @@ class StepInputs:
     total: str
     cos: str
     sin: str
-    exact: bool = False
+    attention: str = "fused"
+    cache_dtype: int = TensorProto.FLOAT  # of the past_*/present_* caches
     # exact attention only
     scores_shape: str = ""      # [S, kv_heads, M, query rows, capacity]
     row_bias: str = ""          # attention_bias as [S, 1, M, 1, capacity]
@@ -362,13 +366,21 @@ def value_chunks(head_dim: int) -> tuple[int, int]:
     return chunks, -(-(head_dim + 1) // chunks)
 
 
+def cache_dtype(precision: Precision, attention: str) -> int:
+    """The caches' element type: the graph's io type, but 16 bits for the kernel's beside quantized weights."""
+    if attention == "kernel" and precision.name in FP16_CACHE_PRECISIONS:
+        return TensorProto.FLOAT16
+    return precision.onnx_io
+
+
 def cache_shape(cfg: ModelConfig, kind: str, attention: str) -> list:
-    """[1, kv_heads, max_length, head_dim]. The exact attention's caches hold a batch of sequences,
-    and its value rows carry one more column, ones (its softmax denominator), stored as
-    value_chunks: [sequences, kv_heads * chunks, max_length, width] (see _exact_attention)."""
-    if attention != "exact":
+    """[1, kv_heads, max_length, head_dim]. The exact and kernel attentions' caches hold a batch of
+    sequences; the exact attention's value rows carry one more column, ones (its softmax
+    denominator), stored as value_chunks: [sequences, kv_heads * chunks, max_length, width] (see
+    _exact_attention)."""
+    if attention not in SLOTTED_ATTENTIONS:
         return [1, cfg.num_kv_heads, "max_length", cfg.head_dim]
-    if kind == "value":
+    if kind == "value" and attention == "exact":
         chunks, width = value_chunks(cfg.head_dim)
         return ["sequences", cfg.num_kv_heads * chunks, "max_length", width]
     return ["sequences", cfg.num_kv_heads, "max_length", cfg.head_dim]
@@ -379,22 +391,22 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
     """Inputs shared by both graphs. With fused attention the attention bias [1, 1, T, total] has
     the total length (cached tokens + T) as its width, so the runtime passes no separate lengths.
 
-    The exact attention holds the caches of S sequences, [S, heads, capacity, width], and attends
+    The exact and kernel attentions hold the caches of S sequences, [S, heads, capacity, width], and attends
     over each sequence's whole cache: a step's T rows (any of the S sequences' rows, in any order)
     are regrouped into S groups of M rows (row_gather [S * M]: the row at each place, padding rows
     anything), the attention bias [S, 1, M, capacity] masks what each may not see, and row_scatter
     [T] puts them back. Row t is written to sequence cache_sequences[t] at position cache_slots[t]."""
     io = b.p.onnx_io
-    exact = attention == "exact"
+    slotted = attention in SLOTTED_ATTENTIONS
     g.input("input_ids", TensorProto.INT64, [1, "T"])
     g.input("position_ids", TensorProto.INT64, [1, "T"])
-    g.input("attention_bias", io, ["S", 1, "M", "total"] if exact else [1, 1, "T", "total"])
+    g.input("attention_bias", io, ["S", 1, "M", "total"] if slotted else [1, 1, "T", "total"])
     # Rows whose logits are wanted: all tree nodes when verifying, only the last one in a prefill
     # or a draft context pass. The vocabulary projection dominates small models, so this pays.
     g.input("logit_rows", TensorProto.INT64, ["R"])
     for i in range(n_layers):
         for kind in ("key", "value"):
-            g.input(f"past_{kind}_{i}", io, cache_shape(cfg, kind, attention))
+            g.input(f"past_{kind}_{i}", cache_dtype(b.p, attention), cache_shape(cfg, kind, attention))
     total64 = g.op("Shape", ["attention_bias"], start=3, end=4)
     total32 = g.op("Cast", [total64], to=TensorProto.INT32)
     seqlens_k = g.op("Sub", [total32, g.const([1], np.int32)])
@@ -402,11 +414,14 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
     cos, sin = (t.astype(b.p.io_dtype) for t in cos_sin_tables(cfg, n_positions))
     # Named by content: base and head share the table when their RoPE agrees, and only then.
     tag = hashlib.sha1(cos.tobytes()).hexdigest()[:12]
-    step = StepInputs(seqlens_k, total, g.weight(f"rotary.{tag}.cos", cos), g.weight(f"rotary.{tag}.sin", sin))
-    if exact:
+    step = StepInputs(seqlens_k, total, g.weight(f"rotary.{tag}.cos", cos), g.weight(f"rotary.{tag}.sin", sin),
+                      cache_dtype=cache_dtype(b.p, attention))
+    if slotted:
         for name, shape in (("row_gather", ["SM"]), ("row_scatter", ["T"]), ("cache_sequences", ["T"]),
                             ("cache_slots", ["T"])):
             g.input(name, TensorProto.INT64, shape)
+        step.attention = attention
+    if attention == "exact":
         step.write_index = functools.cache(lambda heads: scatter_index(g, heads))
         kv, rows, d = cfg.num_kv_heads, max(cfg.num_heads // cfg.num_kv_heads, 2), cfg.head_dim
         chunks, width = value_chunks(d)
@@ -416,7 +431,6 @@ def declare_step_inputs(g: Graph, b: Builder, cfg: ModelConfig, n_layers: int, n
         def shape(*parts) -> str:
             return g.op("Concat", [p if isinstance(p, str) else g.const(p) for p in parts], axis=0)
 
-        step.exact = True
         step.shapes = {"q_grouped": shape(s64, m64, [kv, rows * d]), "q_rows": shape(s64, [kv, -1, d]),
                        "values": shape(s64, [kv, chunks, -1, width]), "pv": shape(s64, [kv, -1, chunks * width]),
                        "out": shape(s64, [kv, -1, rows * d])}
@@ -437,10 +451,10 @@ def scatter_index(g: Graph, heads: int) -> str:
     return g.op("Concat", [g.op("Expand", [part, shape]) for part in parts], axis=-1)
 
 
-def declare_cache_outputs(g: Graph, cfg: ModelConfig, io: int, n_layers: int, attention: str = "fused") -> None:
+def declare_cache_outputs(g: Graph, cfg: ModelConfig, step: StepInputs, n_layers: int, attention: str = "fused") -> None:
     for i in range(n_layers):
         for kind in ("key", "value"):
-            g.output(f"present_{kind}_{i}", io, cache_shape(cfg, kind, attention))
+            g.output(f"present_{kind}_{i}", step.cache_dtype, cache_shape(cfg, kind, attention))
 
 
 def embed(g: Graph, b: Builder, cfg: ModelConfig) -> str:
@@ -488,7 +502,7 @@ def build_base(cfg: ModelConfig, state: Mapping[str, np.ndarray], precision: str
     g.op("Reshape", [h, g.const([1, -1, cfg.hidden_size])], ["hidden_states"])
     g.output("logits", TensorProto.FLOAT, [1, "R", cfg.vocab_size])
     g.output("hidden_states", io, [1, "T", cfg.hidden_size])
-    declare_cache_outputs(g, cfg, io, cfg.num_layers, attention)
+    declare_cache_outputs(g, cfg, step, cfg.num_layers, attention)
     return g.model("base", "EAGLE-2 base model: tree step over an in-place KV cache")
 
 
@@ -530,7 +544,7 @@ def build_draft(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapping[str
     g.output("hidden_states", io, [1, "T", head_cfg.hidden_size])
     g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])
     g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
-    declare_cache_outputs(g, head_cfg, io, 1, attention)
+    declare_cache_outputs(g, head_cfg, step, 1, attention)
     return g.model("draft", "EAGLE-1/2 draft head: fc + one decoder layer + base lm_head, top-k inside")
 
 
@@ -566,6 +580,6 @@ def build_draft_eagle3(base_cfg: ModelConfig, head_cfg: ModelConfig, state: Mapp
     g.output("hidden_states", io, [1, "T", h])
     g.output("topk_ids", TensorProto.INT64, [1, "R", "k"])
     g.output("topk_logprobs", TensorProto.FLOAT, [1, "R", "k"])
-    declare_cache_outputs(g, head_cfg, io, 1, attention)
+    declare_cache_outputs(g, head_cfg, step, 1, attention)
     return g.model("draft", "EAGLE-3 draft head: one layer over [embedding, feature], own norm and lm_head over "
                    "a draft vocabulary, top-k inside")

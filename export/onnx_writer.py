@@ -94,6 +94,8 @@ class Graph:
 
     def model(self, name: str, doc: str) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers)
+        # ONNX Runtime's contrib ops, and this project's own (the kernel attention's) where used
+        domains = sorted({n.domain for n in self.nodes} - {"", "com.microsoft"})
         return helper.make_model(graph, doc_string=doc, ir_version=IR_VERSION, producer_name="eagle2-export",
-                                 opset_imports=[helper.make_opsetid("", OPSET),
-                                                helper.make_opsetid("com.microsoft", 1)])
+                                 opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+                                 + [helper.make_opsetid(d, 1) for d in domains])

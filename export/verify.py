@@ -18,7 +18,8 @@ from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, RMSNorm, caus
 from models.tensors import LazyTensors, layer_tensors
 from runtime import open_session, target_provider
 
-from .onnx_graph import INT8_BLOCK, W8A8_ZERO_POINT, dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
+from .onnx_graph import INT8_BLOCK, W8A8_ZERO_POINT
+from .quantize import dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
 
 # Largest allowed max|graph - reference| / max|reference| per tensor, by precision. The reference
 # holds the graph's own weights (fp16-rounded or 8-bit dequantized), so what remains is the graph's

@@ -84,7 +84,7 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_bytes_per_position(cfg) -> int:
-    """One sequence's base K/V per position in fp32 (a ModelConfig, or its manifest dict)."""
+def kv_bytes_per_position(cfg, value_bytes: int = 4) -> int:
+    """One sequence's base K/V per position, values of `value_bytes` (a ModelConfig, or its manifest dict)."""
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
-    return 2 * get("num_layers") * get("num_kv_heads") * get("head_dim") * 4
+    return 2 * get("num_layers") * get("num_kv_heads") * get("head_dim") * value_bytes

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from artifact.graphs import GraphSpec
 from eagle2 import DraftTree, tree_from_parents, write_attention_bias
 from models.cpu import kv_bytes_per_position, physical_memory
 
@@ -45,9 +46,10 @@ KV_MEMORY_SHARE = 2
 log = logging.getLogger("runtime")
 
 
-def fitting_max_length(manifest: dict, wanted: int, sequences: int) -> int:
-    """`wanted`, or less where `sequences` sequences of it would not fit the machine's memory (said)."""
-    per_position, memory = kv_bytes_per_position(manifest["model"]["config"]), physical_memory()
+def fitting_max_length(manifest: dict, wanted: int, sequences: int, value_bytes: int = 4) -> int:
+    """`wanted`, or less where `sequences` sequences of it, with caches of `value_bytes` a value,
+    would not fit the machine's memory (said)."""
+    per_position, memory = kv_bytes_per_position(manifest["model"]["config"], value_bytes), physical_memory()
     cap = memory // KV_MEMORY_SHARE // (per_position * sequences) // 64 * 64
     if wanted <= cap:
         return wanted
@@ -110,8 +112,9 @@ class Engine:
         check_target(manifest, provider)
         self.manifest = manifest
         self.threads = threads
+        cache_bytes = np.dtype(GraphSpec.parse(manifest["graphs"]["base"]).cache_dtype).itemsize
         self.max_length = fitting_max_length(manifest, min(max_length or manifest["max_length"], manifest["max_length"]),
-                                             sequences)
+                                             sequences, cache_bytes)
         self.io_dtype = np.float16 if manifest["io_dtype"] == "float16" else np.float32
         self.masked = np.finfo(self.io_dtype).min
         steps = max(PREFILL_CHUNK, MAX_TREE_TOKENS)

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from artifact.graphs import GraphSpec
 
-from . import cpu_fit
+from . import cpu_fit, kernels
 from .backend import ProviderError
 from .caches import DeviceCaches, HostCaches, move_positions, torch_dtype
 from .torch_device import DeviceRows
@@ -89,6 +89,8 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     # spin within a run only.
     so.add_session_config_entry("session.force_spinning_stop", "1")
     so.log_severity_level = 3
+    if kernels.missing() is None:  # for graphs with kernel attention; inert for the others
+        so.register_custom_ops_library(str(kernels.LIBRARY))
     return so
 
 
@@ -139,6 +141,13 @@ class GraphSession:
         target = manifest.get("target", "onnx")
         if target != "onnx":
             raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+        if manifest.get("attention") == "kernel":
+            if provider != "cpu":
+                instead = "fused" if provider == "openvino" else "exact"
+                raise ProviderError(f"this artifact's attention is this project's CPU operator, which provider "
+                                    f"{provider!r} cannot run: export it with --attention {instead} for {provider}")
+            if why := kernels.missing():
+                raise ProviderError(why)
         if provider == "openvino" and _grows(GraphSpec.parse(manifest["graphs"]["base"])):
             raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
                                 "does not keep: export with --attention fused for OpenVINO")

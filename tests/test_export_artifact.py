@@ -17,7 +17,8 @@ import transformers
 
 from artifact.manifest import FORMAT, FORMAT_VERSION, ArtifactError, read_manifest
 from export.common import DEFAULT_TREE, TREE_POSITION_MARGIN
-from export.onnx_export import export_onnx
+from export.onnx_export import default_attention, export_onnx
+from export.onnx_graph import KERNEL_DOMAIN
 from export.onnx_writer import IR_VERSION, OPSET, WEIGHTS_FILE, WeightStore
 from export.verify import ParityError
 from models.config import ModelConfig
@@ -37,34 +38,39 @@ def leftovers(parent: Path) -> list[str]:
 
 # --- manifest contents -----------------------------------------------------------------------------
 
-def expected_specs(cfg: ModelConfig, head: bool) -> dict:
-    """Both graphs' exact attention holds the caches of S sequences and takes a step's rows regrouped
-    by sequence (row_gather: M rows each, row_scatter back), each row written at its own sequence's
-    position (cache_sequences, cache_slots)."""
+def expected_specs(cfg: ModelConfig, head: bool, precision: str = "fp32") -> dict:
+    """An export of this precision with an int8 draft, with this machine's default attention
+    (export.onnx_export.default_attention). Both graphs' exact or kernel attention holds the caches of S sequences and
+    takes a step's rows regrouped by sequence (row_gather: M rows each, row_scatter back), each row
+    written at its own sequence's position (cache_sequences, cache_slots)."""
+    kernel = default_attention(precision) == "kernel"
     step = [("input_ids", "int64", [1, "T"]), ("position_ids", "int64", [1, "T"]),
             ("attention_bias", "float32", ["S", 1, "M", "total"]), ("logit_rows", "int64", ["R"])]
     slots = [("row_gather", "int64", ["SM"]), ("row_scatter", "int64", ["T"]), ("cache_sequences", "int64", ["T"]),
              ("cache_slots", "int64", ["T"])]
 
-    def cache(prefix, n):
+    def cache(prefix, n, dtype="float32"):
         """The exact attention's value rows carry one more column (ones: the softmax denominator), stored
-        in chunks of at most 16 columns: 33 as 3 x 11 for these heads of 32."""
-        heads = {"key": cfg.num_kv_heads, "value": cfg.num_kv_heads * 3}
-        width = {"key": cfg.head_dim, "value": 11}
-        return [(f"{prefix}_{kind}_{i}", "float32", ["sequences", heads[kind], "max_length", width[kind]])
+        in chunks of at most 16 columns: 33 as 3 x 11 for these heads of 32. The kernel's are the
+        values themselves, in fp16 beside quantized weights (the int8 draft's)."""
+        heads = {"key": cfg.num_kv_heads, "value": cfg.num_kv_heads * (1 if kernel else 3)}
+        width = {"key": cfg.head_dim, "value": cfg.head_dim if kernel else 11}
+        return [(f"{prefix}_{kind}_{i}", dtype, ["sequences", heads[kind], "max_length", width[kind]])
                 for i in range(n) for kind in ("key", "value")]
 
-    specs = {"base": {"file": "base.onnx", "inputs": step + cache("past", cfg.num_layers) + slots,
+    base_cache, draft_cache = ("float16" if kernel and p != "fp32" else "float32" for p in (precision, "int8"))
+
+    specs = {"base": {"file": "base.onnx", "inputs": step + cache("past", cfg.num_layers, base_cache) + slots,
                       "outputs": [("logits", "float32", [1, "R", cfg.vocab_size]),
                                   ("hidden_states", "float32", [1, "T", cfg.hidden_size])]
-                      + cache("present", cfg.num_layers)}}
+                      + cache("present", cfg.num_layers, base_cache)}}
     if head:
         specs["draft"] = {"file": "draft.onnx",
-                          "inputs": step + cache("past", 1) + slots
+                          "inputs": step + cache("past", 1, draft_cache) + slots
                           + [("features", "float32", [1, "T", cfg.hidden_size]), ("top_k", "int64", [1])],
                           "outputs": [("hidden_states", "float32", [1, "T", cfg.hidden_size]),
                                       ("topk_ids", "int64", [1, "R", "k"]),
-                                      ("topk_logprobs", "float32", [1, "R", "k"])] + cache("present", 1)}
+                                      ("topk_logprobs", "float32", [1, "R", "k"])] + cache("present", 1, draft_cache)}
     return {g: {"file": s["file"],
                 "inputs": [{"name": n, "dtype": d, "shape": sh} for n, d, sh in s["inputs"]],
                 "outputs": [{"name": n, "dtype": d, "shape": sh} for n, d, sh in s["outputs"]]}
@@ -75,7 +81,8 @@ def expected_specs(cfg: ModelConfig, head: bool) -> dict:
 def test_default_int8_draft_of_an_fp32_base_quantizes_the_base_lm_head(tiny_artifact, name):
     """The default CPU draft is 8-bit: it shares the fp32 embedding and holds the 8-bit
     quantization of the base's own lm_head (declared as draft_precision in the manifest)."""
-    from export.onnx_graph import quantize_8bit
+    from export.onnx_graph import INT8_BLOCK
+    from export.quantize import quantize_8bit
     artifact = tiny_artifact(name, "fp32")
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert (manifest["precision"], manifest["draft_precision"]) == ("fp32", "int8")
@@ -89,7 +96,7 @@ def test_default_int8_draft_of_an_fp32_base_quantizes_the_base_lm_head(tiny_arti
         f.seek(int(q["offset"]))
         stored = np.frombuffer(f.read(int(q["length"])), np.uint8)
     weight = ckpt.state.get("lm_head.weight", ckpt.state["model.embed_tokens.weight"]).numpy()
-    np.testing.assert_array_equal(stored, quantize_8bit(weight)[0].ravel())
+    np.testing.assert_array_equal(stored, quantize_8bit(weight, INT8_BLOCK)[0].ravel())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -103,7 +110,8 @@ def test_manifest_contents(tiny_artifact, name, precision):
     assert m["format_version"] == FORMAT_VERSION == 1
     assert m["target"] == "onnx"
     assert m["precision"] == precision
-    assert (m["attention"], m["exact_key_block"]) == ("exact", 1024)
+    attention = default_attention(precision)
+    assert (m["attention"], m["exact_key_block"]) == (attention, 1024 if attention == "exact" else None)
     assert m["io_dtype"] == "float32"
     # Architecture and sizes, exactly the checkpoint's config.
     assert ModelConfig.from_dict(m["model"]["config"]) == ckpt.cfg
@@ -118,7 +126,7 @@ def test_manifest_contents(tiny_artifact, name, precision):
     assert m["max_length"] == min(2048, ckpt.cfg.max_position_embeddings) == 2048
     assert m["rotary_positions"] == m["max_length"] + TREE_POSITION_MARGIN
     # Graph inputs/outputs: names, dtypes, shapes.
-    assert m["graphs"] == expected_specs(ckpt.cfg, head=True)
+    assert m["graphs"] == expected_specs(ckpt.cfg, head=True, precision=precision)
     # Default tree parameters for the precision (small trees on CPU).
     assert m["tree_defaults"] == DEFAULT_TREE[precision] == {"total_tokens": 3, "depth": 1, "top_k": 2}
     # Stop tokens: the eos (<|im_end|>) and <|endoftext|>, inside the vocabulary.
@@ -155,7 +163,8 @@ def test_manifest_specs_match_the_graph_files(tiny_artifact, name):
         assert [v.name for v in model.graph.input] == [i["name"] for i in spec["inputs"]]
         assert [v.name for v in model.graph.output] == [o["name"] for o in spec["outputs"]]
         assert model.ir_version == IR_VERSION
-        assert {(o.domain, o.version) for o in model.opset_import} == {("", OPSET), ("com.microsoft", 1)}
+        own = {(KERNEL_DOMAIN, 1)} if m["attention"] == "kernel" else set()  # this project's attention operator
+        assert {(o.domain, o.version) for o in model.opset_import} == {("", OPSET), ("com.microsoft", 1)} | own
 
 
 def test_manifest_without_head_and_with_max_length(tiny_artifact):

@@ -26,14 +26,16 @@ def random_tree(rng, size, vocab):
     return tree_from_parents(rng.integers(0, vocab, size), parents)
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "w8a8"])
+@pytest.fixture(scope="module", params=["fp32:exact", "int8:exact", "w8a8:exact", "int8:kernel"])
 def pair(request, tmp_path_factory):
-    """The same artifact loaded twice: one generation at a time, and four side by side."""
-    if request.param == "w8a8" and not int8_dot_products():
+    """The same artifact loaded twice: one generation at a time, and four side by side (":kernel":
+    ":exact": exported with --attention exact or kernel)."""
+    if request.param.startswith("w8a8") and not int8_dot_products():
         pytest.skip("w8a8 artifacts need VNNI or AMX, which this CPU lacks (the runtime refuses them)")
-    path = tmp_path_factory.mktemp("batch") / request.param
-    export_onnx(load_checkpoint("tiny-llama"), path, request.param, max_length=MAX_LENGTH, verify=False,
-                log=lambda m: None)
+    precision, _, attention = request.param.partition(":")
+    path = tmp_path_factory.mktemp("batch") / f"{precision}-{attention}"
+    export_onnx(load_checkpoint("tiny-llama"), path, precision, max_length=MAX_LENGTH, verify=False,
+                log=lambda m: None, attention=attention or None)
     alone, batched = runtime.load(path), runtime.load(path, parallel=4)
     yield alone, batched
     batched.close()

@@ -3,7 +3,8 @@ computes the same token: each row of a verify step must be bitwise equal to the 
 along that node's own path, whatever the step size, the tree shape and the masked keys between
 the node's ancestors. This holds for ONNX artifacts with exact attention (the default on CPU), fp32,
 int8 and w8a8, as long as the step stays inside one block of the attention's key sums, which the runtime
-ensures; and for IPEX artifacts (bf16, weight-only int8) and plain torch bf16 ones.
+ensures; for those with kernel attention (this project's operator over 16-bit caches, no key blocks);
+and for IPEX artifacts (bf16, weight-only int8) and plain torch bf16 ones.
 
 The IPEX cases run in .venv-ipex (ci/test_ipex.sh) and skip elsewhere."""
 import dataclasses
@@ -30,8 +31,10 @@ BLOCK = EXACT_KEY_BLOCK  # ONNX artifacts' key block (torch artifacts have small
 MAX_LENGTH = 2 * BLOCK
 # Every artifact kind whose manifest says verify_exact (torch and IPEX fp32 do not: their GEMMs round
 # products of 1, 2-12 and 16+ rows differently).
-# "int8/64": int8 with weight blocks of 64 (export --int8-block 64; the default is 32).
-KINDS = [("onnx", "fp32"), ("onnx", "int8"), ("onnx", "int8/64"), ("onnx", "w8a8"), ("torch", "bf16"), ("ipex", "bf16"),
+# "int8/64": int8 with weight blocks of 64 (export --int8-block 64; the default is 32); ":exact",
+# ":kernel": export --attention exact or kernel.
+KINDS = [("onnx", "fp32:exact"), ("onnx", "int8:exact"), ("onnx", "int8/64:exact"), ("onnx", "w8a8:exact"),
+         ("onnx", "fp32:kernel"), ("onnx", "int8:kernel"), ("onnx", "w8a8:kernel"), ("torch", "bf16"), ("ipex", "bf16"),
          ("ipex", "int8")]
 NEEDS_INT8_DOT = "w8a8 artifacts need VNNI or AMX, which this CPU lacks (the runtime refuses them)"
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
@@ -39,9 +42,10 @@ HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
 
 def export(checkpoint, path, target: str, precision: str, threads: int | None = None):
     if target == "onnx":
+        precision, _, attention = precision.partition(":")
         precision, _, block = precision.partition("/")
         export_onnx(checkpoint, path, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None,
-                    int8_block=int(block or INT8_BLOCK))
+                    int8_block=int(block or INT8_BLOCK), attention=attention or None)
     else:
         from export.torch_export import export_torch
         export_torch(checkpoint, path, target, precision, max_length=MAX_LENGTH, verify=False, log=lambda m: None)
@@ -75,7 +79,7 @@ def generator(request, checkpoint, tmp_path_factory):
     target, precision = request.param
     if target == "ipex" and not HAS_IPEX:
         pytest.skip("intel-extension-for-pytorch is not installed here (ci/test_ipex.sh runs these)")
-    if precision == "w8a8" and not int8_dot_products():
+    if precision.startswith("w8a8") and not int8_dot_products():
         pytest.skip(NEEDS_INT8_DOT)
     if (target, precision) == ("ipex", "bf16") and not ipex_bf16_runs():
         pytest.skip(IPEX_BF16_NEEDS)
@@ -122,8 +126,8 @@ def test_every_verified_row_equals_the_token_decoded_alone(generator, size):
     vocab = generator.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(size)
     # Trees at the very end of one of the artifact's key blocks, at the start of the next and across
-    # where a block half as long would end.
-    block = engine.key_block
+    # where a block half as long would end (kernel attention has none: the exact attention's, then).
+    block = min(engine.key_block, BLOCK)
     for context in (block - size, block, block + (block - size) // 2):
         prompt = rng.integers(0, vocab, context)
         tree = random_tree(rng, size, vocab)
@@ -143,11 +147,11 @@ def wide_head_checkpoint() -> Checkpoint:
                                head_dim=64)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int8/64", "w8a8"])
+@pytest.mark.parametrize("precision", ["fp32:exact", "int8:exact", "int8/64:exact", "w8a8:exact", "int8:kernel"])
 def test_verified_rows_do_not_depend_on_the_thread_count(precision, tmp_path):
     """8 threads (more than this machine's cores: it is how many split a product that matters): every
     row of a tree still equals the token decoded alone, at contexts spanning several 128-key blocks."""
-    if precision == "w8a8" and not int8_dot_products():
+    if precision.startswith("w8a8") and not int8_dot_products():
         pytest.skip(NEEDS_INT8_DOT)
     gen = export(wide_head_checkpoint(), tmp_path / "artifact", "onnx", precision, threads=8)
     engine, vocab = gen.engine, gen.manifest["model"]["config"]["vocab_size"]
@@ -166,7 +170,7 @@ def test_a_tree_across_a_key_block_is_not_exact(tmp_path):
     """Why the runtime clips trees at key blocks: children placed past a block's end, while decoded alone
     they sit inside it, are summed in another order. If this starts to pass, ONNX Runtime's blocking
     changed and EXACT_KEY_BLOCK with it."""
-    gen = export(load_checkpoint("tiny-llama"), tmp_path / "fp32", "onnx", "fp32")
+    gen = export(load_checkpoint("tiny-llama"), tmp_path / "fp32", "onnx", "fp32:exact")
     engine, vocab = gen.engine, gen.manifest["model"]["config"]["vocab_size"]
     rng = np.random.default_rng(9)
     context = BLOCK - 2
@@ -200,6 +204,9 @@ def test_committed_tree_path_leaves_the_cache_plain_decoding_leaves(generator):
 def test_trees_never_straddle_a_key_block(generator, monkeypatch):
     """The decoder clips each tree to the room left in the current key block."""
     engine = generator.engine
+    if generator.manifest["attention"] == "kernel":
+        assert generator.manifest["exact_key_block"] is None
+        pytest.skip("kernel attention sums a row's keys in one list: it has no blocks to clip trees at")
     assert engine.key_block <= engine.max_length, "an exact artifact's attention sums keys in blocks"
     steps = []
     verify_rows = engine.verify_rows

@@ -13,15 +13,16 @@ from models.cpu import int8_dot_products
 from runtime.engine import PREFILL_CHUNK
 from runtime.prefix_cache import Block, PrefixCache
 
-PRECISIONS = ("fp32", "int8", "w8a8")
+PRECISIONS = ("fp32:exact", "int8:exact", "w8a8:exact", "int8:kernel")  # export --attention exact or kernel
 MAX_LENGTH = 512
 
 
 @pytest.fixture(scope="module", params=PRECISIONS)
 def artifact(request, tiny_artifact):
-    if request.param == "w8a8" and not int8_dot_products():
+    if request.param.startswith("w8a8") and not int8_dot_products():
         pytest.skip("w8a8 artifacts need VNNI or AMX, which this CPU lacks (the runtime refuses them)")
-    return tiny_artifact("tiny-llama", request.param, max_length=MAX_LENGTH)
+    precision, _, attention = request.param.partition(":")
+    return tiny_artifact("tiny-llama", precision, max_length=MAX_LENGTH, attention=attention or None)
 
 
 def ids(seed: int, n: int, vocab: int) -> list[int]:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build runtime/kernels/libeagle2_kernels.so, the ONNX Runtime custom operators of --attention kernel
+# artifacts. It needs ONNX Runtime's C API headers at compile time only; no wheel or PyPI package
+# ships them, Debian 13's libonnxruntime-dev does (API 21, which the newer runtimes in .venv accept).
+# The package is fetched from Debian's registry, checked and unpacked under build/, not installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEB=libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb
+SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
+OUT=runtime/kernels/libeagle2_kernels.so
+HEADERS=build/onnxruntime-dev/usr/include/onnxruntime
+if [ "$(uname -m)" != x86_64 ]; then
+  echo "build_kernels: the kernels are written for x86-64 (AVX2, FMA, F16C); skipped on $(uname -m)" >&2
+  exit 0
+fi
+if [ ! -f "$HEADERS/onnxruntime_cxx_api.h" ]; then
+  mkdir -p build
+  curl -fsSL --retry 3 -o "build/$DEB" "http://deb.debian.org/debian/pool/main/o/onnxruntime/$DEB"
+  echo "$SHA256  build/$DEB" | sha256sum -c --quiet
+  dpkg-deb -x "build/$DEB" build/onnxruntime-dev
+fi
+SRC=runtime/kernels/cache_attention.cc
+if [ ! -f "$OUT" ] || [ "$SRC" -nt "$OUT" ]; then
+  # -ffp-contract=off: the products and sums stay the ones written, whatever the compiler sees.
+  g++ -std=c++17 -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fPIC -shared -fvisibility=hidden \
+      -I"$HEADERS" -o "$OUT.tmp" "$SRC"
+  mv "$OUT.tmp" "$OUT"
+fi
+echo "built $OUT"

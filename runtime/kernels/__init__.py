@@ -1,0 +1,16 @@
+"""This project's ONNX Runtime custom operators (cache_attention.cc: the attention of artifacts
+exported with --attention kernel), compiled by ci/build_kernels.sh into a library that sessions
+register before loading such a graph."""
+from __future__ import annotations
+
+from pathlib import Path
+
+LIBRARY = Path(__file__).with_name("libeagle2_kernels.so")
+BUILD_COMMAND = "bash ci/build_kernels.sh"
+
+
+def missing() -> str | None:
+    """Why the kernels cannot be used here, or None."""
+    if not LIBRARY.is_file():
+        return f"this project's attention kernel is not built ({LIBRARY} is missing): run `{BUILD_COMMAND}`"
+    return None
