@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from export.common import default_precision
+from models.cpu import int8_dot_products
 from models.random_checkpoint import make
 
 GIB = 1 << 30
@@ -35,6 +36,8 @@ def checkpoint_bytes(directory) -> int:
 
 @pytest.mark.parametrize("precision", sorted({default_precision(), "w8a8"}))
 def test_export_peak_memory_is_bounded(checkpoint, precision, tmp_path):
+    if precision == "w8a8" and not int8_dot_products():
+        pytest.skip("w8a8 needs VNNI or AMX, which this CPU lacks: the export refuses it up front")
     out = tmp_path / "artifact"
     proc = subprocess.run([sys.executable, "-c", REPORT_PEAK, str(checkpoint), "--head", str(checkpoint / "head"),
                            "--out", str(out), "--precision", precision], capture_output=True, text=True, timeout=900)
