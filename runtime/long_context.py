@@ -29,7 +29,9 @@ async def run_lengths(url: str, prompts_: list[list[int]], max_tokens: int, repe
     """Each prompt `repeats` times, one request at a time: [{"ttft", "tokens", "decode_s"}] per prompt.
     `extra`: body fields for this server (llama-server's cache_prompt false: every run fills its prompt)."""
     import httpx
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    # A connection per request: llama-server closes kept-alive connections after a streamed reply.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await stream_completion(client, url, WARM_UP, 4, extra)
         out = []
         for ids in prompts_:
