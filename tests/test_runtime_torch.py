@@ -107,7 +107,7 @@ def test_ipex_bf16_export_is_refused_on_cpus_without_its_instructions(tmp_path, 
     assert ipex_bf16_supported(avx2_only | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
     assert ipex_bf16_supported(avx2_only | {"avx_ne_convert"})
     if HAS_IPEX and not ipex_bf16_runs():
-        assert export_main(["tiny-llama", "--target", "ipex", "--out", str(tmp_path / "x")]) == 1
+        assert export_main(["tiny-llama", "--target", "ipex", "--precision", "bf16", "--out", str(tmp_path / "x")]) == 1
         assert "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT" in capsys.readouterr().err
         assert not (tmp_path / "x").exists()
 
