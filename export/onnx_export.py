@@ -26,7 +26,7 @@ from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_dr
 from .quality import MIN_AGREEMENT, check_quality
 from .memory import check_memory, resident_calibration
 from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, SLOTTED_ATTENTIONS,
-                         build_base, build_draft, build_draft_eagle3, lm_head_name)
+                         Precision, build_base, build_draft, build_draft_eagle3, cache_bytes, lm_head_name)
 from .onnx_writer import WEIGHTS_FILE, WeightStore
 from .smoothing import ALPHA, SMOOTHED, SMOOTHED_PRECISIONS, activation_maxima, smooth
 
@@ -61,7 +61,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
     blocks = _gguf_blocks(ckpt) if precision == "gguf" else None
     cfg = ckpt.cfg
     if max_length is None:
-        max_length = default_max_length(cfg, log, 2 if attention == "kernel" else 4)
+        max_length = default_max_length(cfg, log, cache_bytes(Precision(precision), attention))
     if max_length < 16:
         raise ExportError(f"--max-length {max_length} is too small (at least 16)")
     check_memory(ckpt, "onnx", precision, verify, log)

@@ -373,6 +373,11 @@ def cache_dtype(precision: Precision, attention: str) -> int:
     return precision.onnx_io
 
 
+def cache_bytes(precision: Precision, attention: str) -> int:
+    """Bytes of one cached value."""
+    return np.dtype(helper.tensor_dtype_to_np_dtype(cache_dtype(precision, attention))).itemsize
+
+
 def cache_shape(cfg: ModelConfig, kind: str, attention: str) -> list:
     """[1, kv_heads, max_length, head_dim]. The exact and kernel attentions' caches hold a batch of
     sequences; the exact attention's value rows carry one more column, ones (its softmax

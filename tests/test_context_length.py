@@ -11,6 +11,7 @@ import numpy as np
 import export.common
 import runtime.engine
 from export.common import default_max_length
+from export.onnx_graph import Precision, cache_bytes
 from models.cpu import kv_bytes_per_position
 from models.registry import load_checkpoint
 from runtime.engine import fitting_max_length
@@ -32,6 +33,13 @@ def test_a_context_beyond_the_machines_memory_is_capped_and_said(monkeypatch):
     assert length * kv_bytes_per_position(cfg) <= GIB // 4 < (length + 64) * kv_bytes_per_position(cfg)
     assert length % 64 == 0
     assert len(said) == 1 and f"max_length {length}" in said[0] and "1048576" in said[0] and "1 GiB" in said[0]
+
+
+def test_the_cap_counts_the_caches_own_element_size():
+    """Kernel attention stores 16-bit caches beside 8-bit weights only; fp32 keeps fp32, fp16 is fp16."""
+    sizes = {(p, a): cache_bytes(Precision(p), a) for p in ("fp32", "fp16", "int8") for a in ("exact", "kernel")}
+    assert sizes == {("fp32", "exact"): 4, ("fp32", "kernel"): 4, ("fp16", "exact"): 2, ("fp16", "kernel"): 2,
+                     ("int8", "exact"): 4, ("int8", "kernel"): 2}
 
 
 def test_the_runtime_caps_what_its_sequence_slots_could_not_hold(monkeypatch, caplog):

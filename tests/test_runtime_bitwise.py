@@ -1,9 +1,9 @@
 """Speculation is lossless only if verifying a tree computes every node exactly as plain decoding
 computes the same token: each row of a verify step must be bitwise equal to the one-token steps
 along that node's own path, whatever the step size, the tree shape and the masked keys between
-the node's ancestors. This holds for ONNX artifacts with exact attention (the default on CPU), fp32,
+the node's ancestors. This holds for ONNX artifacts with exact attention, fp32,
 int8 and w8a8, as long as the step stays inside one block of the attention's key sums, which the runtime
-ensures; for those with kernel attention (this project's operator over 16-bit caches, no key blocks);
+ensures; for those with kernel attention (the default on x86-64: this project's operator, no key blocks);
 and for IPEX artifacts (bf16, weight-only int8) and plain torch bf16 ones.
 
 The IPEX cases run in .venv-ipex (ci/test_ipex.sh) and skip elsewhere."""
