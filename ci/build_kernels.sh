@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build runtime/kernels/libeagle2_kernels.so, the ONNX Runtime custom operators of --attention kernel
-# artifacts. It needs ONNX Runtime's C API headers at compile time only; no wheel or PyPI package
+# and --matmul kernel artifacts. It needs ONNX Runtime's C API headers at compile time only; no wheel or PyPI package
 # ships them, Debian 13's libonnxruntime-dev does (API 21, which the newer runtimes in .venv accept).
 # The package is fetched from Debian's registry, checked and unpacked under build/, not installed.
 set -euo pipefail
@@ -19,11 +19,13 @@ if [ ! -f "$HEADERS/onnxruntime_cxx_api.h" ]; then
   echo "$SHA256  build/$DEB" | sha256sum -c --quiet
   dpkg-deb -x "build/$DEB" build/onnxruntime-dev
 fi
-SRC=runtime/kernels/cache_attention.cc
-if [ ! -f "$OUT" ] || [ "$SRC" -nt "$OUT" ]; then
+SOURCES=(runtime/kernels/register.cc runtime/kernels/cache_attention.cc runtime/kernels/int8_matmul.cc)
+stale=0
+for f in "${SOURCES[@]}" runtime/kernels/ops.h; do [ ! -f "$OUT" ] || [ "$f" -nt "$OUT" ] && stale=1; done
+if [ "$stale" = 1 ]; then
   # -ffp-contract=off: the products and sums stay the ones written, whatever the compiler sees.
   g++ -std=c++17 -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fPIC -shared -fvisibility=hidden \
-      -I"$HEADERS" -o "$OUT.tmp" "$SRC"
+      -I"$HEADERS" -o "$OUT.tmp" "${SOURCES[@]}"
   mv "$OUT.tmp" "$OUT"
 fi
 echo "built $OUT"

@@ -15,7 +15,7 @@ dir="$(mktemp -d)"
 # OpenVINO runs artifacts with fused attention (its onnxruntime build lacks the exact attention's ops).
 .venv/bin/python -m export tiny-llama --precision fp32 --attention fused --out "$dir/fused" --max-length 256 \
     > /dev/null 2>&1
-.venv/bin/python -m export tiny-llama --attention exact --out "$dir/exact" --max-length 256 > /dev/null 2>&1
+.venv/bin/python -m export tiny-llama --precision int8 --attention exact --out "$dir/exact" --max-length 256 > /dev/null 2>&1
 PYTHONPATH="$PWD" EAGLE2_OPENVINO_ARTIFACT="$dir/fused" EAGLE2_OPENVINO_EXACT_ARTIFACT="$dir/exact" \
     .venv-openvino/bin/python -m pytest -q -p no:cacheprovider tests/test_runtime_openvino.py \
     tests/test_backend_contract.py

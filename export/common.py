@@ -21,7 +21,7 @@ from models.weights import Checkpoint
 CPU_TREE = {"total_tokens": 3, "depth": 1, "top_k": 2}
 # w8a8's integer GEMMs make verified rows cheap on AMX, so its tree is a little wider (docs/code-notes.md).
 W8A8_TREE = {"total_tokens": 4, "depth": 1, "top_k": 2}
-DEFAULT_TREE = {"fp32": CPU_TREE, "int8": CPU_TREE, "w8a8": W8A8_TREE, "gguf": CPU_TREE,
+DEFAULT_TREE = {"fp32": CPU_TREE, "int8": CPU_TREE, "w8a8": W8A8_TREE, "w8a16": CPU_TREE, "gguf": CPU_TREE,
                 "fp16": {"total_tokens": 60, "depth": 5, "top_k": 10}}
 # Extra rotary positions beyond max_length: draft-tree nodes sit up to `depth` past the context.
 TREE_POSITION_MARGIN = 64
@@ -90,8 +90,9 @@ def _installed() -> bool:
 def default_draft_precision(precision: str) -> str:
     """The draft only proposes tokens (verification keeps the output exact), so it can be cheaper
     than the base: every draft call reads the whole vocabulary projection, and on a CPU 8-bit
-    weights make that several times faster (docs/code-notes.md). fp16 artifacts (for CUDA) keep fp16."""
-    return "fp16" if precision == "fp16" else "int8"
+    weights make that several times faster (docs/code-notes.md). fp16 artifacts (for CUDA) keep fp16;
+    w8a16 ones keep w8a16, whose rows are cheap where it is chosen (the draft's steps have many)."""
+    return precision if precision in ("fp16", "w8a16") else "int8"
 
 
 # Draft vocabulary size by default: measured on SmolLM2 (docs/design.md, "Reduced draft vocabulary").
@@ -100,11 +101,14 @@ DEFAULT_DRAFT_VOCAB = 8192
 
 def default_precision(kind: str | None = None) -> str:
     """The CLI's default: the fastest lossless path for a CPU kind (models.cpu.CPU_KINDS; this CPU's
-    by default): w8a8 where it has AMX int8 tiles, else int8.
+    by default; models.cpu.ONNX_CPU_PATHS): w8a8 where it has AMX int8 tiles, w8a16 on AVX2 without
+    VNNI, else int8.
 
     On AMX, w8a8's integer GEMMs make verified rows cheap and its EAGLE-2 decoding measured fastest
-    (docs/code-notes.md); its one-token steps are slower than int8's, so without AMX, where rows cost
-    more, int8 stays (CPUs without VNNI cannot run w8a8 exactly at all)."""
+    (docs/code-notes.md); its one-token steps are slower than int8's, so on the VNNI kinds without
+    AMX int8 stays. Without VNNI, w8a8 cannot run exactly at all and int8's 8-bit kernel pays for
+    each verified row almost a step, so w8a16's 16-bit integer products are the path
+    (docs/design.md, "Precisions")."""
     return onnx_cpu_path(kind or cpu_kind())
 
 

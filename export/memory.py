@@ -25,7 +25,7 @@ SESSION_FACTOR = 1.1
 # second fp32 model: peaks near 2.3x the fp32 model (docs/large-models.md).
 TORCH_FACTOR = 2.5
 # Bytes per weight of a linear layer in the artifact, by precision (scales included).
-LINEAR_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.07, "w8a8": 1.0, "gguf": 1.07}
+LINEAR_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.07, "w8a8": 1.0, "w8a16": 1.07, "gguf": 1.07}
 
 
 @dataclass

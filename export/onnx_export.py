@@ -31,7 +31,7 @@ from .onnx_writer import WEIGHTS_FILE, WeightStore
 from .smoothing import ALPHA, SMOOTHED, SMOOTHED_PRECISIONS, activation_maxima, smooth
 
 # The draft's own weights are never a GGUF's: it takes the float or 8-bit precisions.
-DRAFT_PRECISIONS = ("fp32", "fp16", "int8")
+DRAFT_PRECISIONS = ("fp32", "fp16", "int8", "w8a16")
 
 
 def _dtype_name(elem: int) -> str:

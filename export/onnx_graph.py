@@ -55,7 +55,7 @@ from models.rope import cos_sin_tables
 from .onnx_writer import Graph
 from .quantize import quantize_8bit, quantize_channels_8bit
 
-PRECISIONS = ("fp32", "fp16", "int8", "w8a8", "gguf")
+PRECISIONS = ("fp32", "fp16", "int8", "w8a8", "w8a16", "gguf")
 ATTENTIONS = ("exact", "kernel", "fused")
 # The custom operators of "kernel" attention (runtime/kernels/cache_attention.cc), by cache dtype.
 KERNEL_DOMAIN = "eagle2"
@@ -63,7 +63,7 @@ KERNEL_OPS = {TensorProto.FLOAT: "CacheAttention", TensorProto.FLOAT16: "CacheAt
 # Beside quantized weights its caches are stored in fp16, as llama.cpp stores them: at long context a
 # step is the reading of the caches, and 16 bits halve it. Rounded once, when written, so every step
 # reads the same bits. An fp32 export keeps fp32 caches: it is the reference precision.
-FP16_CACHE_PRECISIONS = ("int8", "w8a8", "gguf")
+FP16_CACHE_PRECISIONS = ("int8", "w8a8", "w8a16", "gguf")
 # Attentions whose caches hold several sequences, a step's rows placed by sequence and slot.
 SLOTTED_ATTENTIONS = ("exact", "kernel")
 # MLAS's fp32 GEMM accumulates the inner dimension in blocks (MlasSgemmOperation's StrideK): 128
@@ -132,6 +132,8 @@ class Builder:
         blocks = blocks or self.blocks.get(f"{name}.weight")
         if blocks is None and self.p.name == "w8a8":
             return self._w8a8_linear(x, name, weight, bias, rows)
+        if blocks is None and self.p.name == "w8a16":
+            return self._w8a16_linear(x, name, weight, bias)
         if blocks is None and self.p.name == "int8":
             blocks = Blocks(8, *quantize_8bit(weight, self.int8_block), None, self.int8_block)
         if blocks is not None:
@@ -183,6 +185,22 @@ class Builder:
         if bias is not None:
             y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(f32))])
         return y
+
+    def _w8a16_linear(self, x: str, name: str, weight: np.ndarray, bias: np.ndarray | None) -> str:
+        """int8 weights in blocks (int8's blocks, signed) times each row rounded to 16 bits over its own
+        range, as exact integer products: this project's Int8MatMul (runtime/kernels/int8_matmul.cc).
+
+        Why: on CPUs without VNNI, MatMulNBits' 8-bit kernel pays for each extra row of a step almost
+        what a separate step costs, and w8a8's 8-bit integer GEMMs saturate. 16-bit products
+        (vpmaddwd) are exact on every AVX2 CPU, so a verify step's extra rows cost their
+        multiply-adds, and a row's result cannot depend on the step's other rows. 16-bit activations
+        round far less than int8's 8-bit ones, so the weights' rounding is nearly all the error."""
+        blocks, scales = quantize_8bit(weight, self.int8_block)
+        signed = (blocks.astype(np.int16) - 128).astype(np.int8).reshape(weight.shape[0], -1)
+        ins = [x, self.g.weight(f"{name}.w8", signed), self.g.weight(f"{name}.scales", scales)]
+        if bias is not None:
+            ins.append(self.g.weight(f"{name}.bias", bias.astype(np.float32)))
+        return self.g.op("Int8MatMul", ins, domain=KERNEL_DOMAIN, block=self.int8_block)
 
     def _zero_points(self, row_scale: str, rows: str) -> str:
         """W8A8_ZERO_POINT for each row ([T, 1] uint8: QuantizeLinear's zero points take its scales'

@@ -30,7 +30,7 @@ from models.tensors import LazyTensors, layer_tensors
 
 ALPHA = 0.5
 # The ONNX precisions whose weights are smoothed at export.
-SMOOTHED_PRECISIONS = ("int8", "w8a8")
+SMOOTHED_PRECISIONS = ("int8", "w8a8", "w8a16")
 # Varied on purpose (chat, code, arithmetic, a list, prose, translation): the maxima should see
 # every kind of text. Each prompt comes with a fixed reply, so that calibration is one
 # teacher-forced pass that runs a layer at a time (forward_layers), whatever the model's size;

@@ -10,6 +10,7 @@ from pathlib import Path
 from models.cpu import CPU_KINDS, cpu_kind, int8_dot_products
 from models.draft_vocab import DraftVocab
 from models.weights import Checkpoint
+from runtime import kernels
 
 from .common import ExportError, cpu_entry, default_precision
 from .quality import MIN_AGREEMENT
@@ -94,7 +95,7 @@ class Target:
         return self.run(self, ckpt, out, precision, options, log)
 
     def layout(self, precision: str, options: Options) -> str:
-        block = self.onnx_options and precision == "int8" and options.int8_block != INT8_BLOCK
+        block = self.onnx_options and precision in ("int8", "w8a16") and options.int8_block != INT8_BLOCK
         return f"--precision {precision}" + (f" --int8-block {options.int8_block}" if block else "")
 
 
@@ -116,16 +117,23 @@ def _onnx_missing(precision: str) -> str | None:
         return ("8-bit activations times 8-bit weights need AVX512-VNNI, AVX-VNNI or AMX (without them the "
                 "integer kernels saturate), and this CPU has none of them; use --precision int8 (8-bit weights, "
                 "every x86-64 CPU)")
+    if precision == "w8a16":
+        if cpu_kind() is None:
+            return ("16-bit integer products run in this project's operator, written for x86-64 CPUs with AVX2, "
+                    "which this CPU is not; use --precision int8")
+        if why := kernels.missing():
+            return why
     return None
 
 
 def _onnx_safer(precision: str, options: Options) -> tuple[str, Options] | None:
-    """w8a8, then int8 in blocks of 64, then of 32 (closer to the source weights), then fp32."""
+    """w8a8, then int8 in blocks of 64, then of 32 (closer to the source weights), then fp32; w8a16
+    (whose 16-bit activations round less than int8's) in blocks of 64, then of 32, then fp32."""
     if precision == "w8a8":
         return "int8", replace(options, int8_block=INT8_BLOCK)
-    if precision == "int8" and options.int8_block > min(INT8_BLOCKS):
-        return "int8", replace(options, int8_block=max(b for b in INT8_BLOCKS if b < options.int8_block))
-    if precision == "int8":
+    if precision in ("int8", "w8a16") and options.int8_block > min(INT8_BLOCKS):
+        return precision, replace(options, int8_block=max(b for b in INT8_BLOCKS if b < options.int8_block))
+    if precision in ("int8", "w8a16"):
         return "fp32", options
     return None
 

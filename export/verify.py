@@ -25,7 +25,7 @@ from .quantize import dequantize_8bit, dequantize_channels_8bit, quantize_8bit, 
 # holds the graph's own weights (fp16-rounded or 8-bit dequantized), so what remains is the graph's
 # arithmetic: fp32 reordering, fp16 activations, or int8 activation rounding (MatMulNBits level 4,
 # w8a8's rows; for w8a8 the bound grows with the rounding's measured effect, ROUNDING_MARGIN).
-TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "int8": 0.2, "w8a8": 0.2, "gguf": 0.2}
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "int8": 0.2, "w8a8": 0.2, "w8a16": 0.2, "gguf": 0.2}
 
 # A w8a8 graph passes where its difference is within this multiple of the activations' rounding
 # alone, measured on the reference (check_parity).
@@ -49,7 +49,7 @@ def stored_weight(name: str, t: torch.Tensor, precision: str, int8_block: int = 
         return t.half().float()
     if precision == "bf16":
         return t.bfloat16().float()
-    if precision == "int8" and name.endswith(LINEAR_SUFFIXES):
+    if precision in ("int8", "w8a16") and name.endswith(LINEAR_SUFFIXES):
         q, s = quantize_8bit(t.numpy(), int8_block)
         return torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
     if precision == "w8a8" and name.endswith(LINEAR_SUFFIXES):

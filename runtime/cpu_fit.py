@@ -27,6 +27,9 @@ def refusal(manifest: dict) -> str | None:
         kind = cpu_kind()
         return (f"w8a8 artifacts need a CPU with 8-bit dot products (AVX512-VNNI, AVX-VNNI or AMX), which "
                 f"{_this_cpu(kind)} lacks: re-export it as int8 with {_reexport(manifest, kind)}")
+    if "w8a16" in (manifest.get("precision"), manifest.get("draft_precision")) and cpu_kind() is None:
+        return ("w8a16 artifacts run this project's 16-bit integer products, written for x86-64 CPUs with AVX2, "
+                f"which this CPU is not: re-export it with {_reexport(manifest, None)}")
     return None
 
 

@@ -89,7 +89,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     # spin within a run only.
     so.add_session_config_entry("session.force_spinning_stop", "1")
     so.log_severity_level = 3
-    if kernels.missing() is None:  # for graphs with kernel attention; inert for the others
+    if kernels.missing() is None:  # for graphs with kernel attention or w8a16 products; inert for the others
         so.register_custom_ops_library(str(kernels.LIBRARY))
     return so
 
@@ -141,11 +141,18 @@ class GraphSession:
         target = manifest.get("target", "onnx")
         if target != "onnx":
             raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
+        precisions = {manifest.get("precision"), manifest.get("draft_precision") or manifest.get("precision")}
         if manifest.get("attention") == "kernel":
             if provider != "cpu":
                 instead = "fused" if provider == "openvino" else "exact"
                 raise ProviderError(f"this artifact's attention is this project's CPU operator, which provider "
                                     f"{provider!r} cannot run: export it with --attention {instead} for {provider}")
+            if why := kernels.missing():
+                raise ProviderError(why)
+        if "w8a16" in precisions:
+            if provider != "cpu":
+                raise ProviderError(f"this artifact's w8a16 products are this project's CPU operator, which provider "
+                                    f"{provider!r} cannot run: export it with --precision int8 for {provider}")
             if why := kernels.missing():
                 raise ProviderError(why)
         if provider == "openvino" and _grows(GraphSpec.parse(manifest["graphs"]["base"])):
@@ -156,7 +163,6 @@ class GraphSession:
                 raise ProviderError("this artifact's fused attention passes GroupQueryAttention an attention_bias, "
                                     f"which ONNX Runtime's {provider} kernel refuses: export it with --attention exact "
                                     "(the default) to decode on that provider")
-            precisions = {manifest.get("precision"), manifest.get("draft_precision") or manifest.get("precision")}
             if provider == "cuda" and not precisions <= set(CUDA_PRECISIONS):
                 raise ProviderError(f"a {'/'.join(sorted(precisions))} artifact would run part of each step on the CPU "
                                     f"under provider {provider!r}: export it with --precision fp16 (or fp32, int8)")

@@ -18,7 +18,7 @@ from runtime import cpu_fit
 AVX2 = {"sse4_2", "avx", "avx2", "fma"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 KINDS = {  # name: (flags, kind, onnx default, w8a8 runs, ipex default, ipex bf16 runs)
-    "AVX2 without VNNI (Zen 2, Haswell)": (AVX2, "avx2", "int8", False, "fp32", False),
+    "AVX2 without VNNI (Zen 2, Haswell)": (AVX2, "avx2", "w8a16", False, "fp32", False),
     "AVX2 with VNNI (Alder Lake)": (AVX2 | {"avx_vnni"}, "avx2-vnni", "int8", True, "fp32", False),
     "AVX-512 (Skylake-SP)": (AVX512, "avx512", "int8", False, "fp32", False),
     "AVX-512 VNNI (Cascade Lake)": (AVX512 | {"avx512_vnni"}, "avx512-vnni", "int8", True, "fp32", False),
@@ -59,6 +59,7 @@ def test_defaults_and_refusals_by_cpu_kind(kind, cpu):
     for precision in ("int8", "fp32"):  # every x86-64 CPU runs these
         onnx.check_cpu(precision, "int8")
         ipex.check_cpu(precision, "int8")
+    onnx.check_cpu("w8a16", "w8a16")  # every kind has AVX2
 
 
 def test_defaults_say_why(cpu):
@@ -91,6 +92,17 @@ def test_cli_refuses_before_loading_anything(args, names, cpu, tmp_path, monkeyp
     assert not (tmp_path / "outs").exists()
 
 
+def test_w8a16_refused_up_front_without_avx2(cpu, tmp_path, export_cli):
+    """w8a16's operator is written for AVX2: a CPU without it is told so, and which precision to use."""
+    from test_export_cli_errors import assert_one_error
+    cpu({"sse4_2", "avx"})
+    rc, _, err = export_cli("tiny-llama", "--precision", "w8a16", "--out", tmp_path / "outs" / "artifact")
+    assert_one_error(rc, err, "--precision w8a16", "AVX2", "--precision int8")
+    assert not (tmp_path / "outs").exists()
+    why = cpu_fit.refusal({"model": {"source": "tiny-llama"}, "precision": "w8a16", "draft_precision": "w8a16"})
+    assert "AVX2" in why and "`python -m export tiny-llama --precision int8`" in why
+
+
 def test_no_kind_off_x86_or_without_avx2(monkeypatch):
     assert cpu_kind({"sse4_2", "avx"}) is None
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
@@ -99,7 +111,7 @@ def test_no_kind_off_x86_or_without_avx2(monkeypatch):
 
 @pytest.fixture(scope="module")
 def avx2_path_artifact(tmp_path_factory):
-    """An int8 export for --cpu-kind avx2 (the precision every x86-64 CPU runs), through the CLI."""
+    """A w8a16 export for --cpu-kind avx2 (its path; every x86-64 CPU with AVX2 runs it), through the CLI."""
     from export.cli import main
     out = tmp_path_factory.mktemp("kinds") / "avx2"
     assert main(["tiny-llama", "--cpu-kind", "avx2", "--max-length", "64", "--out", str(out)]) == 0
@@ -108,25 +120,26 @@ def avx2_path_artifact(tmp_path_factory):
 
 def test_the_manifest_records_the_kind_and_its_path(avx2_path_artifact):
     made_for = json.loads((avx2_path_artifact / "manifest.json").read_text())["cpu"]
-    assert made_for["kind"] == "avx2" and made_for["path"] == "int8"
+    assert made_for["kind"] == "avx2" and made_for["path"] == "w8a16"
     assert made_for["precision_from"] == "the CPU kind's path" and made_for["exported_on"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_loading_another_kinds_path_names_the_export_for_this_cpu(kind, cpu, avx2_path_artifact, caplog):
-    """An artifact made for AVX2's path (int8) loads everywhere; only on AMX, whose path is w8a8, the
-    load says which export gives this CPU's path. Its steps are this CPU's either way."""
+    """An artifact made for AVX2's path (w8a16) loads on every kind; on the others, whose paths are int8
+    or w8a8, the load says which export gives this CPU's path. Its steps are this CPU's either way."""
     flags, name = KINDS[kind][:2]
     cpu(flags)
     with caplog.at_level(logging.WARNING, logger="runtime"):
         gen = runtime.load(avx2_path_artifact)
     said = [r.getMessage() for r in caplog.records if "re-export" in r.getMessage()]
-    if name == "amx":
-        assert said == [f"this artifact takes AVX2 without VNNI's path (int8, exported on {gen.manifest['cpu']['exported_on']}); "
-                        "the fastest lossless path on this CPU (AMX) is w8a8: re-export it with "
-                        "`python -m export tiny-llama --cpu-kind amx` (or the export run on this CPU)"]
-    else:
+    if name == "avx2":
         assert said == []
+    else:
+        path = "w8a8" if name == "amx" else "int8"
+        assert said == [f"this artifact takes AVX2 without VNNI's path (w8a16, exported on {gen.manifest['cpu']['exported_on']}); "
+                        f"the fastest lossless path on this CPU ({CPU_KINDS[name]}) is {path}: re-export it with "
+                        f"`python -m export tiny-llama --cpu-kind {name}` (or the export run on this CPU)"]
     assert gen.generate([1, 2, 3], max_new_tokens=3).token_ids
 
 

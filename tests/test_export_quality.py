@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from artifact.manifest import read_manifest
+from export.common import default_precision
 from export.quality import MIN_AGREEMENT, Agreement
 
 
@@ -38,6 +39,8 @@ def test_safer_layouts_in_order():
         layout = onnx.safer(*layout)
     assert chain == ["--precision w8a8", "--precision int8", "--precision fp32"]
     assert onnx.layout(*onnx.safer("int8", Options(int8_block=64))) == "--precision int8"  # block 32
+    assert onnx.safer("w8a16", Options(int8_block=64)) == ("w8a16", Options())  # block 32
+    assert onnx.safer("w8a16", Options()) == ("fp32", Options())
     assert target("ipex").safer("bf16", Options()) == ("fp32", Options())
     assert target("torch").safer("fp32", Options()) is None
 
@@ -49,7 +52,8 @@ def test_default_precision_falls_back_to_a_safer_layout_and_says_so(measured, ex
     manifest = read_manifest(tmp_path / "a")
     assert manifest["precision"] == "fp32"
     assert manifest["quality"]["top1_agreement"] == 0.99 and manifest["quality"]["gated"]
-    assert [p for p, _ in layouts[-2:]] == ["int8", "fp32"]
+    last_quantized = "w8a16" if default_precision() == "w8a16" else "int8"  # AVX2's path, or int8 after w8a8
+    assert [p for p, _ in layouts[-2:]] == [last_quantized, "fp32"]
     assert "agreement with fp32 is 0.900, below 0.97" in err and "falling back to --precision fp32" in err
     assert "exported tiny-llama (fp32, with draft head)" in out
 

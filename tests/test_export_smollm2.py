@@ -58,7 +58,8 @@ def test_smollm2_with_shipped_head(smollm2_head_artifact):
 
 
 def test_smollm2_default_export_is_lossless(smollm2_default_artifact):
-    """The default artifact: this CPU's default precision (w8a8 with AMX, else int8) or the safer
+    """The default artifact: this CPU's default precision (w8a8 with AMX, w8a16 on AVX2 without VNNI,
+    else int8) or the safer
     layout the quality gate fell back to, whose top-1 agreement with fp32 passes it; 8,192-token
     draft vocabulary; EAGLE-2 greedy output is token-identical to plain decoding of the same
     artifact on MT-bench questions of every category."""
@@ -67,7 +68,7 @@ def test_smollm2_default_export_is_lossless(smollm2_default_artifact):
     from export.quality import MIN_AGREEMENT
     from runtime.prompts import load_prompts
     manifest = read_manifest(smollm2_default_artifact)
-    chain = {"w8a8": ("w8a8", "int8", "fp32"), "int8": ("int8", "fp32")}[default_precision()]
+    chain = {"w8a8": ("w8a8", "int8", "fp32"), "int8": ("int8", "fp32"), "w8a16": ("w8a16", "fp32")}[default_precision()]
     assert manifest["precision"] in chain
     assert (manifest["attention"], manifest["draft_vocab"]["size"]) == (default_attention(manifest["precision"]), 8192)
     quality = manifest["quality"]

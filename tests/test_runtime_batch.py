@@ -26,7 +26,8 @@ def random_tree(rng, size, vocab):
     return tree_from_parents(rng.integers(0, vocab, size), parents)
 
 
-@pytest.fixture(scope="module", params=["fp32:exact", "int8:exact", "w8a8:exact", "int8:kernel"])
+@pytest.fixture(scope="module", params=["fp32:exact", "int8:exact", "w8a8:exact", "int8:kernel",
+                                                  "w8a16:kernel"])
 def pair(request, tmp_path_factory):
     """The same artifact loaded twice: one generation at a time, and four side by side (":kernel":
     ":exact": exported with --attention exact or kernel)."""

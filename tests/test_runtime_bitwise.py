@@ -2,7 +2,7 @@
 computes the same token: each row of a verify step must be bitwise equal to the one-token steps
 along that node's own path, whatever the step size, the tree shape and the masked keys between
 the node's ancestors. This holds for ONNX artifacts with exact attention, fp32,
-int8 and w8a8, as long as the step stays inside one block of the attention's key sums, which the runtime
+int8, w8a8 and w8a16, as long as the step stays inside one block of the attention's key sums, which the runtime
 ensures; for those with kernel attention (the default on x86-64: this project's operator, no key blocks);
 and for IPEX artifacts (bf16, weight-only int8) and plain torch bf16 ones.
 
@@ -31,10 +31,11 @@ BLOCK = EXACT_KEY_BLOCK  # ONNX artifacts' key block (torch artifacts have small
 MAX_LENGTH = 2 * BLOCK
 # Every artifact kind whose manifest says verify_exact (torch and IPEX fp32 do not: their GEMMs round
 # products of 1, 2-12 and 16+ rows differently).
-# "int8/64": int8 with weight blocks of 64 (export --int8-block 64; the default is 32); ":exact",
+# "int8/64", "w8a16/64": weight blocks of 64 (export --int8-block 64; the default is 32); ":exact",
 # ":kernel": export --attention exact or kernel.
 KINDS = [("onnx", "fp32:exact"), ("onnx", "int8:exact"), ("onnx", "int8/64:exact"), ("onnx", "w8a8:exact"),
-         ("onnx", "fp32:kernel"), ("onnx", "int8:kernel"), ("onnx", "w8a8:kernel"), ("torch", "bf16"), ("ipex", "bf16"),
+         ("onnx", "fp32:kernel"), ("onnx", "int8:kernel"), ("onnx", "w8a8:kernel"), ("onnx", "w8a16:kernel"),
+         ("onnx", "w8a16/64:kernel"), ("onnx", "w8a16:exact"), ("torch", "bf16"), ("ipex", "bf16"),
          ("ipex", "int8")]
 NEEDS_INT8_DOT = "w8a8 artifacts need VNNI or AMX, which this CPU lacks (the runtime refuses them)"
 HAS_IPEX = importlib.util.find_spec("intel_extension_for_pytorch") is not None
@@ -147,7 +148,8 @@ def wide_head_checkpoint() -> Checkpoint:
                                head_dim=64)
 
 
-@pytest.mark.parametrize("precision", ["fp32:exact", "int8:exact", "int8/64:exact", "w8a8:exact", "int8:kernel"])
+@pytest.mark.parametrize("precision", ["fp32:exact", "int8:exact", "int8/64:exact", "w8a8:exact", "int8:kernel",
+                                       "w8a16:kernel"])
 def test_verified_rows_do_not_depend_on_the_thread_count(precision, tmp_path):
     """8 threads (more than this machine's cores: it is how many split a product that matters): every
     row of a tree still equals the token decoded alone, at contexts spanning several 128-key blocks."""

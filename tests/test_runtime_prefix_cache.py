@@ -13,7 +13,7 @@ from models.cpu import int8_dot_products
 from runtime.engine import PREFILL_CHUNK
 from runtime.prefix_cache import Block, PrefixCache
 
-PRECISIONS = ("fp32:exact", "int8:exact", "w8a8:exact", "int8:kernel")  # export --attention exact or kernel
+PRECISIONS = ("fp32:exact", "int8:exact", "w8a8:exact", "int8:kernel", "w8a16:kernel")  # export --attention exact or kernel
 MAX_LENGTH = 512
 
 

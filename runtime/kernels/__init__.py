@@ -1,6 +1,6 @@
 """This project's ONNX Runtime custom operators (cache_attention.cc: the attention of artifacts
-exported with --attention kernel), compiled by ci/build_kernels.sh into a library that sessions
-register before loading such a graph."""
+exported with --attention kernel; int8_matmul.cc: the products of --precision w8a16), compiled by
+ci/build_kernels.sh into a library that sessions register before loading such a graph."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,5 +12,5 @@ BUILD_COMMAND = "bash ci/build_kernels.sh"
 def missing() -> str | None:
     """Why the kernels cannot be used here, or None."""
     if not LIBRARY.is_file():
-        return f"this project's attention kernel is not built ({LIBRARY} is missing): run `{BUILD_COMMAND}`"
+        return f"this project's CPU operators are not built ({LIBRARY} is missing): run `{BUILD_COMMAND}`"
     return None

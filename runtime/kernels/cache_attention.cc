@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 // Keys whose bias is at or below this are masked (the runtime masks with the float's lowest value).
@@ -351,13 +353,7 @@ CacheAttentionOp<uint16_t, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> fp16_cache_op(
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;  // an ONNX Runtime older than these headers: ops left unregistered
-  Ort::InitApi(api);
-  OrtCustomOpDomain* domain = nullptr;
-  if (OrtStatus* status = api->CreateCustomOpDomain("eagle2", &domain)) return status;
+OrtStatus* AddCacheAttentionOps(const OrtApi* api, OrtCustomOpDomain* domain) {
   if (OrtStatus* status = api->CustomOpDomain_Add(domain, &fp32_cache_op)) return status;
-  if (OrtStatus* status = api->CustomOpDomain_Add(domain, &fp16_cache_op)) return status;
-  return api->AddCustomOpDomain(options, domain);
+  return api->CustomOpDomain_Add(domain, &fp16_cache_op);
 }

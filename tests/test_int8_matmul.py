@@ -1,0 +1,97 @@
+"""The Int8MatMul operator (runtime/kernels/int8_matmul.cc, the products of --precision w8a16) on its
+own, through a real ONNX Runtime session: its result against the same integer products in float64,
+each row's bits whatever the step's other rows and the thread count, and the artifacts that need it
+refused where it cannot run. Whole w8a16 graphs' tree rows against one-row steps are
+tests/test_runtime_bitwise.py's (kinds "w8a16")."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import runtime
+from export.onnx_graph import KERNEL_DOMAIN
+from export.quantize import quantize_8bit
+from runtime import kernels
+from runtime.backend import ProviderError
+from runtime.session import GraphSession, session_options
+
+LEVELS = 32767
+pytestmark = pytest.mark.skipif(kernels.missing() is not None, reason=str(kernels.missing()))
+
+
+def matmul_session(k: int, n: int, block: int, bias: bool, threads: int) -> tuple[ort.InferenceSession, dict]:
+    """A one-node graph over random weights, and those weights (signed int8, block scales, bias)."""
+    rng = np.random.default_rng(k + n + block)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    blocks, scales = quantize_8bit(w, block)
+    weights = {"weight": (blocks.astype(np.int16) - 128).astype(np.int8).reshape(n, k), "scales": scales}
+    if bias:
+        weights["bias"] = rng.standard_normal(n).astype(np.float32)
+    inits = [helper.make_tensor(name, TensorProto.INT8 if a.dtype == np.int8 else TensorProto.FLOAT, a.shape,
+                                a.tobytes(), raw=True) for name, a in weights.items()]
+    node = helper.make_node("Int8MatMul", ["x", *weights], ["y"], domain=KERNEL_DOMAIN, block=block)
+    graph = helper.make_graph([node], "int8_matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "K"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                providers=["CPUExecutionProvider"]), weights
+
+
+def reference(x: np.ndarray, weights: dict, block: int) -> np.ndarray:
+    """What the operator computes, in float64: each row rounded to +-LEVELS over its own largest
+    magnitude, exact integer products by block, each block's sum times its weight scale."""
+    top = np.abs(x).max(axis=1, keepdims=True)
+    q = np.rint(x * (np.float32(LEVELS) / top)).astype(np.int64)
+    w = weights["weight"].astype(np.int64)
+    n, k = w.shape
+    sums = np.einsum("tbk,nbk->tnb", q.reshape(len(x), -1, block), w.reshape(n, -1, block))
+    y = (sums * weights["scales"][None].astype(np.float64)).sum(-1) * (top / LEVELS)
+    return y + weights.get("bias", 0)
+
+
+@pytest.mark.parametrize("k, n, block, bias", [(576, 960, 32, False), (1536, 577, 32, True), (256, 130, 64, True)])
+def test_products_equal_the_integer_products_they_define(k, n, block, bias):
+    session, weights = matmul_session(k, n, block, bias, threads=2)
+    x = np.random.default_rng(1).standard_normal((37, k)).astype(np.float32) * 3
+    x[5, 7] = 80.0  # an outlier channel sets its row's scale alone
+    y = session.run(None, {"x": x})[0]
+    want = reference(x, weights, block)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    stored = (weights["weight"].reshape(n, -1, block) * weights["scales"][..., None]).reshape(n, k)
+    exact = x.astype(np.float64) @ stored.T + weights.get("bias", 0)
+    assert np.abs(y - exact).max() < 1e-3 * np.abs(exact).max()  # 16-bit rows round little
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+def test_a_rows_bits_do_not_depend_on_the_steps_other_rows(threads):
+    """Every step size the runtime makes (a one-token step, trees, register tiles of 3 rows, tasks of
+    48, a prefill chunk), each row equals that row computed alone, bitwise."""
+    session, _ = matmul_session(576, 1000, 32, True, threads)
+    x = np.random.default_rng(2).standard_normal((130, 576)).astype(np.float32)
+    alone = np.concatenate([session.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
+    for rows in (2, 3, 4, 5, 8, 16, 47, 48, 49, 130):
+        np.testing.assert_array_equal(session.run(None, {"x": x[:rows]})[0], alone[:rows], err_msg=f"{rows} rows")
+    zero = np.zeros((1, 576), np.float32)  # a row of zeros gives the bias
+    np.testing.assert_array_equal(session.run(None, {"x": zero})[0], session.run(None, {"x": zero})[0])
+
+
+def test_mismatched_inputs_are_an_error():
+    session, _ = matmul_session(256, 64, 64, False, threads=1)
+    with pytest.raises(Exception, match="Int8MatMul"):
+        session.run(None, {"x": np.zeros((2, 128), np.float32)})
+
+
+def test_a_w8a16_artifact_loads_only_where_its_products_run(tiny_artifact, monkeypatch, tmp_path):
+    path = tiny_artifact("tiny-llama", "w8a16", attention="kernel")
+    gen = runtime.load(path)
+    assert gen.manifest["precision"] == gen.manifest["draft_precision"] == "w8a16" and gen.verify_exact
+    assert gen.generate([5, 6, 7], max_new_tokens=8).token_ids == gen.generate([5, 6, 7], max_new_tokens=8,
+                                                                                speculative=False).token_ids
+    for provider in ("openvino", "cuda"):  # checked before any session
+        with pytest.raises(ProviderError, match=f"export it with --precision int8 for {provider}"):
+            GraphSession.check_artifact({**gen.manifest, "attention": "exact"}, provider)
+    monkeypatch.setattr(kernels, "LIBRARY", tmp_path / "missing.so")
+    with pytest.raises(ProviderError, match="bash ci/build_kernels.sh"):
+        runtime.load(path)
