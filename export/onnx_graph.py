@@ -79,16 +79,13 @@ EXACT_KEY_BLOCK = 1024
 # Lowest exponent the exact attention's softmax evaluates (weights below e^-80 relative to the row's
 # largest are dropped to e^-80); see _exact_attention.
 EXP_FLOOR = -80.0
-# Weight block sizes the int8 precision offers. Level 4 also quantizes the activations per block, so
-# 64 rounds more than 32 for half the scale products: 32 is the default, the one whose answers pass
-# the quality gate (docs/design.md, "Precisions"); 64 stays for speed where a model keeps its answers
-# at 64; 128 would round more still for little speed (docs/code-notes.md).
+# Weight block sizes of int8 and w8a16. 32 rounds less than 64 and passes the quality gate (docs/design.md,
+# "Precisions"); 64 stays for speed where a model keeps its answers at 64 (docs/code-notes.md).
 INT8_BLOCK = 32
 INT8_BLOCKS = (32, 64)
 # Level 4 = int8 activations x int8 weights (VNNI), much faster than level 0's fp32 compute
-# (docs/code-notes.md). Each row's activations are quantized on their own and
-# its products do not depend on the step's other rows, so int8 bases verify exactly
-# (tests/test_runtime_bitwise.py; the 4-bit products of --precision gguf do not on AVX2 CPUs).
+# (docs/code-notes.md). Each row's activations are quantized on their own, so int8 bases verify
+# exactly (tests/test_runtime_bitwise.py; the 4-bit products of --precision gguf do not on AVX2).
 INT8_ACCURACY_LEVEL = 4
 # w8a8: activation rows are quantized to 8 bits around this zero point (uint8, the operand MLAS's
 # integer GEMMs take; weights are int8, symmetric).
@@ -187,19 +184,13 @@ class Builder:
         return y
 
     def _w8a16_linear(self, x: str, name: str, weight: np.ndarray, bias: np.ndarray | None) -> str:
-        """int8 weights in blocks (int8's blocks, signed) times each row rounded to 16 bits over its own
-        range, as exact integer products: this project's Int8MatMul (runtime/kernels/int8_matmul.cc).
-
-        Why: on CPUs without VNNI, MatMulNBits' 8-bit kernel pays for each extra row of a step almost
-        what a separate step costs, and w8a8's 8-bit integer GEMMs saturate. 16-bit products
-        (vpmaddwd) are exact on every AVX2 CPU, so a verify step's extra rows cost their
-        multiply-adds, and a row's result cannot depend on the step's other rows. 16-bit activations
-        round far less than int8's 8-bit ones, so the weights' rounding is nearly all the error."""
+        """int8's weight blocks (signed) times each row rounded to 16 bits over its own range, as exact
+        integer products in this project's Int8MatMul (runtime/kernels/int8_matmul.cc): without VNNI,
+        extra rows cost far less than MatMulNBits' (docs/design.md, "Precisions")."""
         blocks, scales = quantize_8bit(weight, self.int8_block)
         signed = (blocks.astype(np.int16) - 128).astype(np.int8).reshape(weight.shape[0], -1)
         ins = [x, self.g.weight(f"{name}.w8", signed), self.g.weight(f"{name}.scales", scales)]
-        if bias is not None:
-            ins.append(self.g.weight(f"{name}.bias", bias.astype(np.float32)))
+        ins += [self.g.weight(f"{name}.bias", bias.astype(np.float32))] if bias is not None else []
         return self.g.op("Int8MatMul", ins, domain=KERNEL_DOMAIN, block=self.int8_block)
 
     def _zero_points(self, row_scale: str, rows: str) -> str:
