@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build runtime/kernels/libeagle2_kernels.so, the ONNX Runtime custom operators of --attention kernel
-# and --matmul kernel artifacts. It needs ONNX Runtime's C API headers at compile time only; no wheel or PyPI package
+# and --precision w8a16 artifacts. It needs ONNX Runtime's C API headers at compile time only; no wheel or PyPI package
 # ships them, Debian 13's libonnxruntime-dev does (API 21, which the newer runtimes in .venv accept).
 # The package is fetched from Debian's registry, checked and unpacked under build/, not installed.
 set -euo pipefail

@@ -25,7 +25,7 @@ from .common import (DEFAULT_TREE, ExportError, TREE_POSITION_MARGIN, default_dr
                      draft_vocab_entry, finish_manifest, head_entry, save_tokenizer, stop_token_ids, versions)
 from .quality import MIN_AGREEMENT, check_quality
 from .memory import check_memory, resident_calibration
-from .onnx_graph import (ATTENTIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, SLOTTED_ATTENTIONS,
+from .onnx_graph import (ATTENTIONS, BLOCK_PRECISIONS, EXACT_KEY_BLOCK, INT8_BLOCK, INT8_BLOCKS, PRECISIONS, SLOTTED_ATTENTIONS,
                          Precision, build_base, build_draft, build_draft_eagle3, cache_bytes, lm_head_name)
 from .onnx_writer import WEIGHTS_FILE, WeightStore
 from .smoothing import ALPHA, SMOOTHED, SMOOTHED_PRECISIONS, activation_maxima, smooth
@@ -95,7 +95,7 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             # artifacts as two rows.
             "verify_min_rows": 2 if blocks and any(b.bits == 4 for b in blocks.values()) else 1,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
-            "int8_block": int8_block if "int8" in (precision, draft_precision) else None,
+            "int8_block": int8_block if {precision, draft_precision} & set(BLOCK_PRECISIONS) else None,
             "smoothing": smoothing,
             "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "io_dtype": "float16" if precision == "fp16" else "float32",

@@ -53,7 +53,7 @@ from models.llama import eagle3_layers
 from models.rope import cos_sin_tables
 
 from .onnx_writer import Graph
-from .quantize import quantize_8bit, quantize_channels_8bit
+from .quantize import quantize_8bit, quantize_channels_8bit, signed_8bit
 
 PRECISIONS = ("fp32", "fp16", "int8", "w8a8", "w8a16", "gguf")
 ATTENTIONS = ("exact", "kernel", "fused")
@@ -83,6 +83,7 @@ EXP_FLOOR = -80.0
 # "Precisions"); 64 stays for speed where a model keeps its answers at 64 (docs/code-notes.md).
 INT8_BLOCK = 32
 INT8_BLOCKS = (32, 64)
+BLOCK_PRECISIONS = ("int8", "w8a16")  # the precisions whose weights are int8 in those blocks
 # Level 4 = int8 activations x int8 weights (VNNI), much faster than level 0's fp32 compute
 # (docs/code-notes.md). Each row's activations are quantized on their own, so int8 bases verify
 # exactly (tests/test_runtime_bitwise.py; the 4-bit products of --precision gguf do not on AVX2).
@@ -188,8 +189,7 @@ class Builder:
         integer products in this project's Int8MatMul (runtime/kernels/int8_matmul.cc): without VNNI,
         extra rows cost far less than MatMulNBits' (docs/design.md, "Precisions")."""
         blocks, scales = quantize_8bit(weight, self.int8_block)
-        signed = (blocks.astype(np.int16) - 128).astype(np.int8).reshape(weight.shape[0], -1)
-        ins = [x, self.g.weight(f"{name}.w8", signed), self.g.weight(f"{name}.scales", scales)]
+        ins = [x, self.g.weight(f"{name}.w8", signed_8bit(blocks)), self.g.weight(f"{name}.scales", scales)]
         ins += [self.g.weight(f"{name}.bias", bias.astype(np.float32))] if bias is not None else []
         return self.g.op("Int8MatMul", ins, domain=KERNEL_DOMAIN, block=self.int8_block)
 

@@ -18,6 +18,11 @@ def quantize_8bit(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32)
 
 
+def signed_8bit(q: np.ndarray) -> np.ndarray:
+    """quantize_8bit's B [N, K/block, block] (zero point 128) as signed int8 [N, K] (w8a16's Int8MatMul)."""
+    return (q.astype(np.int16) - 128).astype(np.int8).reshape(q.shape[0], -1)
+
+
 def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:
     w = (q.astype(np.float32) - 128) * scale[..., None]
     return w.reshape(q.shape[0], -1)[:, :k]

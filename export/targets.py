@@ -15,7 +15,7 @@ from runtime import kernels
 from .common import ExportError, cpu_entry, default_precision
 from .quality import MIN_AGREEMENT
 from .onnx_export import export_onnx
-from .onnx_graph import INT8_BLOCK, INT8_BLOCKS, PRECISIONS
+from .onnx_graph import BLOCK_PRECISIONS, INT8_BLOCK, INT8_BLOCKS, PRECISIONS
 from .torch_export import IPEX_BF16_NEEDS, PRECISIONS as TORCH_PRECISIONS, export_torch, import_ipex, ipex_bf16_runs
 
 
@@ -95,7 +95,7 @@ class Target:
         return self.run(self, ckpt, out, precision, options, log)
 
     def layout(self, precision: str, options: Options) -> str:
-        block = self.onnx_options and precision in ("int8", "w8a16") and options.int8_block != INT8_BLOCK
+        block = self.onnx_options and precision in BLOCK_PRECISIONS and options.int8_block != INT8_BLOCK
         return f"--precision {precision}" + (f" --int8-block {options.int8_block}" if block else "")
 
 
@@ -131,9 +131,9 @@ def _onnx_safer(precision: str, options: Options) -> tuple[str, Options] | None:
     (whose 16-bit activations round less than int8's) in blocks of 64, then of 32, then fp32."""
     if precision == "w8a8":
         return "int8", replace(options, int8_block=INT8_BLOCK)
-    if precision in ("int8", "w8a16") and options.int8_block > min(INT8_BLOCKS):
+    if precision in BLOCK_PRECISIONS and options.int8_block > min(INT8_BLOCKS):
         return precision, replace(options, int8_block=max(b for b in INT8_BLOCKS if b < options.int8_block))
-    if precision in ("int8", "w8a16"):
+    if precision in BLOCK_PRECISIONS:
         return "fp32", options
     return None
 

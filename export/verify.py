@@ -18,7 +18,7 @@ from models.llama import CausalLM, Eagle3Head, EagleHead, KVCache, RMSNorm, caus
 from models.tensors import LazyTensors, layer_tensors
 from runtime import open_session, target_provider
 
-from .onnx_graph import INT8_BLOCK, W8A8_ZERO_POINT
+from .onnx_graph import BLOCK_PRECISIONS, INT8_BLOCK, W8A8_ZERO_POINT
 from .quantize import dequantize_8bit, dequantize_channels_8bit, quantize_8bit, quantize_channels_8bit
 
 # Largest allowed max|graph - reference| / max|reference| per tensor, by precision. The reference
@@ -49,7 +49,7 @@ def stored_weight(name: str, t: torch.Tensor, precision: str, int8_block: int = 
         return t.half().float()
     if precision == "bf16":
         return t.bfloat16().float()
-    if precision in ("int8", "w8a16") and name.endswith(LINEAR_SUFFIXES):
+    if precision in BLOCK_PRECISIONS and name.endswith(LINEAR_SUFFIXES):
         q, s = quantize_8bit(t.numpy(), int8_block)
         return torch.from_numpy(dequantize_8bit(q, s, t.shape[1]))
     if precision == "w8a8" and name.endswith(LINEAR_SUFFIXES):

@@ -142,19 +142,15 @@ class GraphSession:
         if target != "onnx":
             raise ProviderError(f"this is a {target} artifact: load it with provider={target!r}")
         precisions = {manifest.get("precision"), manifest.get("draft_precision") or manifest.get("precision")}
-        if manifest.get("attention") == "kernel":
-            if provider != "cpu":
-                instead = "fused" if provider == "openvino" else "exact"
-                raise ProviderError(f"this artifact's attention is this project's CPU operator, which provider "
-                                    f"{provider!r} cannot run: export it with --attention {instead} for {provider}")
-            if why := kernels.missing():
-                raise ProviderError(why)
-        if "w8a16" in precisions:
-            if provider != "cpu":
-                raise ProviderError(f"this artifact's w8a16 products are this project's CPU operator, which provider "
-                                    f"{provider!r} cannot run: export it with --precision int8 for {provider}")
-            if why := kernels.missing():
-                raise ProviderError(why)
+        if manifest.get("attention") == "kernel" and provider != "cpu":
+            instead = "fused" if provider == "openvino" else "exact"
+            raise ProviderError(f"this artifact's attention is this project's CPU operator, which provider "
+                                f"{provider!r} cannot run: export it with --attention {instead} for {provider}")
+        if "w8a16" in precisions and provider != "cpu":
+            raise ProviderError(f"this artifact's w8a16 products are this project's CPU operator, which provider "
+                                f"{provider!r} cannot run: export it with --precision int8 for {provider}")
+        if (manifest.get("attention") == "kernel" or "w8a16" in precisions) and (why := kernels.missing()):
+            raise ProviderError(why)
         if provider == "openvino" and _grows(GraphSpec.parse(manifest["graphs"]["base"])):
             raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
                                 "does not keep: export with --attention fused for OpenVINO")

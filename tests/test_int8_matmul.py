@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 import runtime
 from export.onnx_graph import KERNEL_DOMAIN
-from export.quantize import quantize_8bit
+from export.quantize import quantize_8bit, signed_8bit
 from runtime import kernels
 from runtime.backend import ProviderError
 from runtime.session import GraphSession, session_options
@@ -26,7 +26,7 @@ def matmul_session(k: int, n: int, block: int, bias: bool, threads: int) -> tupl
     rng = np.random.default_rng(k + n + block)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     blocks, scales = quantize_8bit(w, block)
-    weights = {"weight": (blocks.astype(np.int16) - 128).astype(np.int8).reshape(n, k), "scales": scales}
+    weights = {"weight": signed_8bit(blocks), "scales": scales}
     if bias:
         weights["bias"] = rng.standard_normal(n).astype(np.float32)
     inits = [helper.make_tensor(name, TensorProto.INT8 if a.dtype == np.int8 else TensorProto.FLOAT, a.shape,
