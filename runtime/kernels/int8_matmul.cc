@@ -34,8 +34,8 @@
 
 namespace {
 
-constexpr int64_t kCols = 2;        // columns of a register tile
-constexpr int64_t kRows = 3;        // rows of a register tile (kRows * kCols accumulators, in registers)
+constexpr int64_t kCols = 3;        // columns of a register tile
+constexpr int64_t kRows = 3;        // rows of a register tile
 constexpr int64_t kBlockRows = 48;  // rows of a task: their quantized inputs stay in L2 across its tiles
 constexpr int64_t kGroupCols = 48;  // columns of a task
 
@@ -59,40 +59,46 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
-// R rows by C columns from row t and column col, over blocks of B inputs.
+// R rows by C columns from row t and column col, over blocks of B inputs. A column's weights are
+// widened once per 16 inputs and multiplied with each row's inputs as read from L1, one column after
+// another, so that the accumulators (R * C) and one column's block sums (R) fit in AVX2's 16
+// registers with the widened weights and the scale: at 3 x 3, 14 (docs/benchmarks.md, "w8a16").
 template <int R, int C, int B>
 void tile(const Product& p, int64_t t, int64_t col) {
-  __m256 acc[kRows][kCols];
+  __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int8_t* w = p.weight + col * p.k;
-  const int16_t* q = p.q + t * p.k;
+  const int8_t* w[C];
+  for (int c = 0; c < C; ++c) w[c] = p.weight + (col + c) * p.k;
+  const int16_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = p.q + (t + r) * p.k;
   const int64_t blocks = p.k / B;
+  const float* scales = p.scales + col * blocks;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t k0 = b * B;
     // the next tile's weights, from memory while this tile's are multiplied
-    for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + (c + C) * p.k + k0), _MM_HINT_T0);
-    __m256i sums[kRows][kCols];
-    for (int j = 0; j < B; j += 16) {
-      __m256i wide[kCols];
-      for (int c = 0; c < C; ++c)
-        wide[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * p.k + k0 + j)));
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * p.k + k0 + j));
-        for (int c = 0; c < C; ++c) {
-          const __m256i products = _mm256_madd_epi16(x, wide[c]);
-          sums[r][c] = j == 0 ? products : _mm256_add_epi32(sums[r][c], products);
+    for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w[c] + C * p.k), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) {
+      __m256i sums[R];
+      for (int j = 0; j < B; j += 16) {
+        const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[c] + j)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i products =
+              _mm256_madd_epi16(wide, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + j)));
+          sums[r] = j == 0 ? products : _mm256_add_epi32(sums[r], products);
         }
       }
+      const __m256 scale = _mm256_broadcast_ss(scales + c * blocks + b);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, acc[r][c]);
     }
-    for (int c = 0; c < C; ++c) {
-      const __m256 scale = _mm256_broadcast_ss(p.scales + (col + c) * blocks + b);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]), scale, acc[r][c]);
-    }
+    for (int c = 0; c < C; ++c) w[c] += B;
+    for (int r = 0; r < R; ++r) q[r] += B;
   }
+  float sums[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r][c] = lane_sum(acc[r][c]);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float out = lane_sum(acc[r][c]) * p.row_scales[t + r];
+      float out = sums[r][c] * p.row_scales[t + r];
       if (p.bias) out += p.bias[col + c];
       p.y[(t + r) * p.n + col + c] = out;
     }
@@ -104,15 +110,28 @@ void tile(const Product& p, int64_t t, int64_t col) {
   else tile<R, C, 64>(p, t, col);
 }
 
+// Tiles of kRows rows down the task's rows, then one of the rows left.
+template <int C, int R = kRows>
+void rows_tile(const Product& p, int64_t t, int64_t rows, int64_t col) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_tile<C, R - 1>(p, t, rows, col);
+  }
+  tile<R, C>(p, t, col);
+}
+
 template <int C>
 void rows_of(const Product& p, int64_t t, int64_t rows, int64_t col) {
-  for (int64_t r = 0; r < rows; r += kRows) {
-    switch (std::min(kRows, rows - r)) {
-      case 1: tile<1, C>(p, t + r, col); break;
-      case 2: tile<2, C>(p, t + r, col); break;
-      default: tile<3, C>(p, t + r, col); break;
-    }
+  for (int64_t r = 0; r < rows; r += kRows) rows_tile<C>(p, t + r, std::min(kRows, rows - r), col);
+}
+
+// A tile of C columns, or of fewer where fewer are left; the columns it took.
+template <int C = kCols>
+int64_t columns_tile(const Product& p, int64_t t, int64_t rows, int64_t col, int64_t left) {
+  if constexpr (C > 1) {
+    if (left < C) return columns_tile<C - 1>(p, t, rows, col, left);
   }
+  rows_of<C>(p, t, rows, col);
+  return C;
 }
 
 void product_task(const Product& p, size_t i) {
@@ -120,10 +139,7 @@ void product_task(const Product& p, size_t i) {
   const int64_t rows = std::min(kBlockRows, p.rows - t);
   const int64_t first = (static_cast<int64_t>(i) % p.col_groups) * kGroupCols;
   const int64_t last = std::min(first + kGroupCols, p.n);
-  for (int64_t col = first; col < last; col += std::min(kCols, last - col)) {
-    if (last - col >= kCols) rows_of<kCols>(p, t, rows, col);
-    else rows_of<1>(p, t, rows, col);
-  }
+  for (int64_t col = first; col < last;) col += columns_tile(p, t, rows, col, last - col);
 }
 
 struct Quantization {
