@@ -93,12 +93,9 @@ void tile(const Product& p, int64_t t, int64_t col) {
     for (int c = 0; c < C; ++c) w[c] += B;
     for (int r = 0; r < R; ++r) q[r] += B;
   }
-  float sums[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r][c] = lane_sum(acc[r][c]);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float out = sums[r][c] * p.row_scales[t + r];
+      float out = lane_sum(acc[r][c]) * p.row_scales[t + r];
       if (p.bias) out += p.bias[col + c];
       p.y[(t + r) * p.n + col + c] = out;
     }
@@ -110,7 +107,7 @@ void tile(const Product& p, int64_t t, int64_t col) {
   else tile<R, C, 64>(p, t, col);
 }
 
-// Tiles of kRows rows down the task's rows, then one of the rows left.
+// A tile of R rows, or of fewer where fewer are left.
 template <int C, int R = kRows>
 void rows_tile(const Product& p, int64_t t, int64_t rows, int64_t col) {
   if constexpr (R > 1) {
