@@ -96,6 +96,9 @@ def export_onnx(ckpt: Checkpoint, out: Path, precision: str = "fp32", max_length
             "verify_min_rows": 2 if blocks and any(b.bits == 4 for b in blocks.values()) else 1,
             "draft_precision": None if ckpt.head_cfg is None else draft_precision,
             "int8_block": int8_block if {precision, draft_precision} & set(BLOCK_PRECISIONS) else None,
+            # Columns of a panel of w8a16's weights (Int8MatMul's layout); the runtime refuses
+            # w8a16 artifacts from before panels, whose 2-D weights the operator no longer takes.
+            "int8_panel": kernels.PANEL if "w8a16" in (precision, draft_precision) else None,
             "smoothing": smoothing,
             "draft_vocab": draft_vocab_entry(ckpt, draft_vocab),
             "io_dtype": "float16" if precision == "fp16" else "float32",

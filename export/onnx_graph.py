@@ -53,7 +53,7 @@ from models.llama import eagle3_layers
 from models.rope import cos_sin_tables
 
 from .onnx_writer import Graph
-from .quantize import quantize_8bit, quantize_channels_8bit, signed_8bit
+from .quantize import panels_8bit, quantize_8bit, quantize_channels_8bit
 
 PRECISIONS = ("fp32", "fp16", "int8", "w8a8", "w8a16", "gguf")
 ATTENTIONS = ("exact", "kernel", "fused")
@@ -188,10 +188,10 @@ class Builder:
         """int8's weight blocks (signed) times each row rounded to 16 bits over its own range, as exact
         integer products in this project's Int8MatMul (runtime/kernels/int8_matmul.cc): without VNNI,
         extra rows cost far less than MatMulNBits' (docs/design.md, "Precisions")."""
-        blocks, scales = quantize_8bit(weight, self.int8_block)
-        ins = [x, self.g.weight(f"{name}.w8", signed_8bit(blocks)), self.g.weight(f"{name}.scales", scales)]
+        panels, scales = panels_8bit(*quantize_8bit(weight, self.int8_block))
+        ins = [x, self.g.weight(f"{name}.w8", panels), self.g.weight(f"{name}.scales", scales)]
         ins += [self.g.weight(f"{name}.bias", bias.astype(np.float32))] if bias is not None else []
-        return self.g.op("Int8MatMul", ins, domain=KERNEL_DOMAIN, block=self.int8_block)
+        return self.g.op("Int8MatMul", ins, domain=KERNEL_DOMAIN, block=self.int8_block, columns=weight.shape[0])
 
     def _zero_points(self, row_scale: str, rows: str) -> str:
         """W8A8_ZERO_POINT for each row ([T, 1] uint8: QuantizeLinear's zero points take its scales'

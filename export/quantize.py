@@ -1,8 +1,11 @@
-"""8-bit weights as the ONNX graphs store them: blockwise for MatMulNBits (int8), per output channel
-for the integer GEMMs (w8a8), and back to fp32 for the parity check's reference."""
+"""8-bit weights as the ONNX graphs store them: blockwise for MatMulNBits (int8) and in panels of those
+blocks for Int8MatMul (w8a16), per output channel for the integer GEMMs (w8a8), and back to fp32 for the parity check's reference."""
 from __future__ import annotations
 
 import numpy as np
+
+from runtime.kernels import PANEL
+
 
 def quantize_8bit(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric 8-bit blockwise weights in MatMulNBits layout (implicit zero point 128).
@@ -19,8 +22,20 @@ def quantize_8bit(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def signed_8bit(q: np.ndarray) -> np.ndarray:
-    """quantize_8bit's B [N, K/block, block] (zero point 128) as signed int8 [N, K] (w8a16's Int8MatMul)."""
+    """quantize_8bit's B [N, K/block, block] (zero point 128) as signed int8 [N, K]."""
     return (q.astype(np.int16) - 128).astype(np.int8).reshape(q.shape[0], -1)
+
+
+def panels_8bit(q: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_8bit's B [N, K/block, block] and scales [N, K/block] in the panels of w8a16's Int8MatMul
+    (runtime/kernels/int8_matmul.cc): signed weights [P, K/2, 16], each input pair's 8 columns side by
+    side, and scales [P, K/block, 8], N padded with zero columns to P = ceil(N / 8) panels."""
+    w = signed_8bit(q)
+    n, k = w.shape
+    pad = -n % PANEL
+    w = np.pad(w, ((0, pad), (0, 0))).reshape(-1, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
+    scales = np.pad(scales, ((0, pad), (0, 0))).reshape(-1, PANEL, scales.shape[1]).transpose(0, 2, 1)
+    return np.ascontiguousarray(w).reshape(-1, k // 2, 2 * PANEL), np.ascontiguousarray(scales)
 
 
 def dequantize_8bit(q: np.ndarray, scale: np.ndarray, k: int) -> np.ndarray:

@@ -151,6 +151,9 @@ class GraphSession:
                                 f"{provider!r} cannot run: export it with --precision int8 for {provider}")
         if (manifest.get("attention") == "kernel" or "w8a16" in precisions) and (why := kernels.missing()):
             raise ProviderError(why)
+        if "w8a16" in precisions and manifest.get("int8_panel") != kernels.PANEL:
+            raise ProviderError("this artifact's w8a16 weights are in the layout from before panels, which this "
+                                "project's Int8MatMul no longer takes: export it again")
         if provider == "openvino" and _grows(GraphSpec.parse(manifest["graphs"]["base"])):
             raise ProviderError("this artifact's exact attention writes a host cache in place, which the OpenVINO EP "
                                 "does not keep: export with --attention fused for OpenVINO")

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 import runtime
 from export.onnx_graph import KERNEL_DOMAIN
-from export.quantize import quantize_8bit, signed_8bit
+from export.quantize import panels_8bit, quantize_8bit, signed_8bit
 from runtime import kernels
 from runtime.backend import ProviderError
 from runtime.session import GraphSession, session_options
@@ -22,16 +22,18 @@ pytestmark = pytest.mark.skipif(kernels.missing() is not None, reason=str(kernel
 
 
 def matmul_session(k: int, n: int, block: int, bias: bool, threads: int) -> tuple[ort.InferenceSession, dict]:
-    """A one-node graph over random weights, and those weights (signed int8, block scales, bias)."""
+    """A one-node graph over random weights in the operator's panels, and those weights as signed
+    int8 [N, K], block scales [N, K / block] and a bias."""
     rng = np.random.default_rng(k + n + block)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     blocks, scales = quantize_8bit(w, block)
     weights = {"weight": signed_8bit(blocks), "scales": scales}
+    stored = dict(zip(("weight", "scales"), panels_8bit(blocks, scales)))
     if bias:
-        weights["bias"] = rng.standard_normal(n).astype(np.float32)
+        weights["bias"] = stored["bias"] = rng.standard_normal(n).astype(np.float32)
     inits = [helper.make_tensor(name, TensorProto.INT8 if a.dtype == np.int8 else TensorProto.FLOAT, a.shape,
-                                a.tobytes(), raw=True) for name, a in weights.items()]
-    node = helper.make_node("Int8MatMul", ["x", *weights], ["y"], domain=KERNEL_DOMAIN, block=block)
+                                a.tobytes(), raw=True) for name, a in stored.items()]
+    node = helper.make_node("Int8MatMul", ["x", *stored], ["y"], domain=KERNEL_DOMAIN, block=block, columns=n)
     graph = helper.make_graph([node], "int8_matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "K"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(KERNEL_DOMAIN, 1)])
@@ -66,10 +68,10 @@ def test_products_equal_the_integer_products_they_define(k, n, block, bias):
 
 @pytest.mark.parametrize("threads", [1, 8])
 def test_a_rows_bits_do_not_depend_on_the_steps_other_rows(threads):
-    """Every step size the runtime makes (a one-token step, trees, register tiles of 3 rows, tasks of
-    48, a prefill chunk), each row equals that row computed alone, bitwise; 1001 outputs end their
-    last task of 48 columns with a tile of 2."""
-    session, _ = matmul_session(576, 1001, 32, True, threads)
+    """Every step size the runtime makes (a one-token step, trees, register tiles of 4 rows, tasks of
+    48, a prefill chunk), each row equals that row computed alone, bitwise; 995 outputs end their
+    last task of 6 panels with a tile of one panel of 3 columns."""
+    session, _ = matmul_session(576, 995, 32, True, threads)
     x = np.random.default_rng(2).standard_normal((130, 576)).astype(np.float32)
     alone = np.concatenate([session.run(None, {"x": x[t:t + 1]})[0] for t in range(len(x))])
     for rows in (2, 3, 4, 5, 8, 16, 47, 48, 49, 130):
@@ -93,6 +95,9 @@ def test_a_w8a16_artifact_loads_only_where_its_products_run(tiny_artifact, monke
     for provider in ("openvino", "cuda"):  # checked before any session
         with pytest.raises(ProviderError, match=f"export it with --precision int8 for {provider}"):
             GraphSession.check_artifact({**gen.manifest, "attention": "exact"}, provider)
+    before_panels = {key: value for key, value in gen.manifest.items() if key != "int8_panel"}
+    with pytest.raises(ProviderError, match="layout from before panels.*export it again"):
+        GraphSession.check_artifact(before_panels, "cpu")
     monkeypatch.setattr(kernels, "LIBRARY", tmp_path / "missing.so")
     with pytest.raises(ProviderError, match="bash ci/build_kernels.sh"):
         runtime.load(path)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 LIBRARY = Path(__file__).with_name("libeagle2_kernels.so")
 BUILD_COMMAND = "bash ci/build_kernels.sh"
+PANEL = 8  # columns of a panel of Int8MatMul's weights (int8_matmul.cc's kPanel; export/quantize.py packs them)
 
 
 def missing() -> str | None:
