@@ -1,5 +1,6 @@
 """8-bit weights as the ONNX graphs store them: blockwise for MatMulNBits (int8) and in panels of those
-blocks for Int8MatMul (w8a16), per output channel for the integer GEMMs (w8a8), and back to fp32 for the parity check's reference."""
+blocks for Int8MatMul (w8a16), per output channel for the integer GEMMs (w8a8), and back to fp32 for
+the parity check's reference."""
 from __future__ import annotations
 
 import numpy as np
