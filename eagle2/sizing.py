@@ -21,6 +21,14 @@ LOOKUP_PRIOR = 2.0
 # After drafting stopped paying: plain cycles before the next try, doubling while it keeps not
 # paying, up to the longest wait.
 FIRST_WAIT, LONGEST_WAIT = 2, 16
+# What drafting pays is averaged over about this many drafted cycles (the newest one's weight is its
+# inverse): a cycle lands one token or several, so a few unlucky ones in a row must not stop
+# drafting that pays on average (docs/design.md).
+PAYING_CYCLES = 8
+# Before any cycle of the generation: drafting taken to yield this many times a plain step's tokens
+# per second, what the default trees do on the CPUs measured, so that the first cycles are judged
+# against a fair expectation rather than against break-even.
+PAYING_PRIOR = 1.2
 
 
 def expected_tokens(scores, calibration: float = 1.0) -> np.ndarray:
@@ -50,7 +58,10 @@ class Pace:
     function of the cycles' accepted nodes and the cost table only."""
     calibration: float = 1.0   # accepted tree nodes / the tree's expected nodes, averaged
     lookup_gain: float = LOOKUP_PRIOR  # nodes a lookup branch lands (would land) beyond the tree, averaged
-    drafting: float = 1.0      # tokens per second of drafted cycles / a plain step's, averaged
+    # A drafted cycle's tokens and its cost in plain steps (by the cost table), averaged; None before
+    # the first.
+    drafted_tokens: float | None = None
+    drafted_steps: float | None = None
     plain_left: int = 0        # plain cycles to run before drafting again
     wait: int = FIRST_WAIT
     # Lookup branches offered and not yet settled: (the sequence index of their first token, their
@@ -89,13 +100,25 @@ class Pace:
             self.lookup_gain += EMA_WEIGHT * (max(match - own, 0) - self.lookup_gain)
         self.offers = open_
 
-    def drafted(self, expected_nodes: float, accepted_nodes: int, speed_vs_plain: float) -> None:
+    @property
+    def drafting(self) -> float:
+        """Tokens per second of drafted cycles against a plain step's, as averaged so far."""
+        if self.drafted_steps is None:
+            return PAYING_PRIOR
+        return self.drafted_tokens / self.drafted_steps
+
+    def drafted(self, expected_nodes: float, accepted_nodes: int, tokens: int, plain_steps: float) -> None:
         """After a drafted cycle: the tree's expected nodes (without the root), how many of its own
-        were accepted, and the cycle's tokens per second against a plain step's. Where drafting has
-        been slower, wait before drafting again, twice as long each time in a row."""
+        were accepted, the tokens the cycle yielded and what it cost in plain steps. Tokens and costs
+        are averaged apart (a ratio of averages: a one-token cycle weighs as much as a three-token
+        one); where drafting has been slower, wait before drafting again, twice as long each time in
+        a row."""
         if expected_nodes > 0:
             self.calibration += EMA_WEIGHT * (min(accepted_nodes / expected_nodes, 4.0) - self.calibration)
-        self.drafting += EMA_WEIGHT * (speed_vs_plain - self.drafting)
+        if self.drafted_steps is None:
+            self.drafted_tokens, self.drafted_steps = PAYING_PRIOR * plain_steps, plain_steps
+        self.drafted_tokens += (tokens - self.drafted_tokens) / PAYING_CYCLES
+        self.drafted_steps += (plain_steps - self.drafted_steps) / PAYING_CYCLES
         if self.drafting >= 1:
             self.wait = FIRST_WAIT
             return

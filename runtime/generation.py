@@ -384,8 +384,8 @@ class Decoder:
 
     def _paced(self, tree, accepted: np.ndarray, context: int) -> None:
         """Tell the pace what the cycle landed (nodes below the sized tree's size are its own) and the
-        lookup branch it was offered; a drafted cycle's tokens per second (by the cost table) against
-        a plain step's."""
+        lookup branch it was offered; a drafted cycle's tokens and its cost in plain steps (by the cost
+        table)."""
         if self.pace is None:
             return
         size, expected, fixed = self._sized or (1, 0.0, None)
@@ -394,7 +394,7 @@ class Decoder:
         self._sized, self._offer = None, []
         if fixed is not None:
             steps = self.s.sizing.verify_seconds(len(tree.tokens), context, self._sharing)
-            self.pace.drafted(expected, own, len(accepted) * steps[0] / (fixed + steps[-1]))
+            self.pace.drafted(expected, own, len(accepted), (fixed + steps[-1]) / steps[0])
 
     def _constrain(self, tokens: list[int]) -> None:
         """The grammar consumes new tokens, up to the first stop token (which ends it)."""

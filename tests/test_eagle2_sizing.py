@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eagle2 import Pace, best_tree_size, expected_tokens
-from eagle2.sizing import FIRST_WAIT, LONGEST_WAIT, LOOKUP_PRIOR
+from eagle2.sizing import FIRST_WAIT, LONGEST_WAIT, LOOKUP_PRIOR, PAYING_PRIOR
 
 
 def test_expected_tokens_sums_path_probabilities_best_first():
@@ -35,19 +35,39 @@ def test_size_where_a_node_is_worth_its_row():
 
 def test_pace_waits_longer_each_time_drafting_does_not_pay():
     pace = Pace()
-    assert pace.speculate()
-    waits = []
-    for _ in range(6):
-        pace.drafted(expected_nodes=1.0, accepted_nodes=0, speed_vs_plain=0.5)
-        waits.append(pace.plain_left)
+    assert pace.speculate() and pace.drafting == PAYING_PRIOR
+    # Cycles landing one token at twice a plain step's cost: drafting pays half as much as plain steps.
+    losing = 0
+    while pace.plain_left == 0:
+        pace.drafted(expected_nodes=1.0, accepted_nodes=0, tokens=1, plain_steps=2.0)
+        losing += 1
+    assert losing > 1, "one unlucky cycle must not stop drafting"
+    waits = [pace.plain_left]
+    for _ in range(5):
         while not pace.speculate():
             pass
+        pace.drafted(1.0, 0, 1, 2.0)
+        waits.append(pace.plain_left)
     assert waits == [FIRST_WAIT, 2 * FIRST_WAIT, 4 * FIRST_WAIT, 8 * FIRST_WAIT, LONGEST_WAIT, LONGEST_WAIT]
     # Drafting that pays again: no wait, and the next wait starts short.
     for _ in range(8):
-        pace.drafted(1.0, 2, 3.0)
+        while not pace.speculate():
+            pass
+        pace.drafted(1.0, 2, 3, 1.5)
     assert pace.plain_left == 0 and pace.wait == FIRST_WAIT and pace.drafting > 1
     assert pace.calibration > 1
+
+
+def test_pace_averages_tokens_and_costs_apart():
+    """A ratio of averages: alternating one- and three-token cycles at 1.5 plain steps pay 2 / 1.5,
+    and a run of three one-token cycles after a fair start does not stop drafting."""
+    pace = Pace()
+    for tokens in [1, 3] * 20:
+        pace.drafted(1.0, tokens - 1, tokens, 1.5)
+    assert pace.drafting == pytest.approx(2 / 1.5, rel=0.15)
+    for _ in range(3):
+        pace.drafted(1.0, 0, 1, 1.5)
+    assert pace.plain_left == 0 and pace.drafting > 1
 
 
 def test_lookup_offers_settle_on_the_tokens_that_come():

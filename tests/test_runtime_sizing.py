@@ -85,7 +85,7 @@ def test_free_rows_verify_the_whole_tree_every_cycle(artifact):
 
 def test_dear_rows_decode_plain_with_the_same_tokens(artifact):
     gen = runtime.load(artifact)
-    gen.step_costs = costs(per_row=1.0, draft=1e-4)
+    gen.step_costs = costs(per_row=1.0, draft=1e-3)
     steps = count_draft_steps(gen)
     for prompt in PROMPTS:
         plain = gen.generate(prompt, max_new_tokens=64, speculative=False)
@@ -93,9 +93,11 @@ def test_dear_rows_decode_plain_with_the_same_tokens(artifact):
         sized = gen.generate(prompt, max_new_tokens=64)
         assert sized.token_ids == plain.token_ids
         assert set(sized.accept_lengths) == {1}
-        # Drafting is tried again after 2, 4, 8 then 16 plain cycles: a few drafted cycles in 64, each
-        # its head's steps (the context's and depth expansions).
-        assert steps.count("draft") <= 8 * (gen.tree()["depth"] + 1)
+        # Each drafted cycle costs at least twice a plain step and lands one token: drafting stops
+        # after the few cycles that outweigh its fair start, and is tried again after 2, 4, 8 then 16
+        # plain cycles: a few drafted cycles in 64, each its head's steps (the context's and depth
+        # expansions).
+        assert steps.count("draft") <= 10 * (gen.tree()["depth"] + 1)
 
 
 def test_sized_trees_side_by_side_equal_each_alone(artifact):
@@ -138,7 +140,7 @@ def test_a_size_measured_dearer_than_a_larger_one_takes_the_larger_ones_cost():
 def test_under_load_trees_shrink_to_plain_steps(smollm2_head_artifact, monkeypatch):
     """Rows that cost a hundredth of a step: alone, the whole tree pays every cycle; with 64 generations
     sharing each step, the step's fixed cost is shared and every row costs its rate, so the same table
-    decodes (almost) plain, with the same tokens."""
+    decodes (almost) plain, with the same tokens: only the draft's likeliest nodes still pay for a row."""
     from runtime.batch import Scheduler
     table = costs(per_row=1e-5, draft=1e-6)
     alone = runtime.load(smollm2_head_artifact)
@@ -151,6 +153,6 @@ def test_under_load_trees_shrink_to_plain_steps(smollm2_head_artifact, monkeypat
         got = batched.generate_many(PROMPTS, max_new_tokens=40)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
         tau = [np.mean([a for o in outs for a in o.accept_lengths]) for outs in (want, got)]
-        assert tau[1] < 1.05 < 1.15 < tau[0], tau
+        assert tau[1] < 1.1 < 1.2 < tau[0], tau
     finally:
         batched.close()
