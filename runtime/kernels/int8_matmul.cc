@@ -86,6 +86,7 @@ void tile(const Product& p, int64_t t, int64_t panel) {
   for (int r = 0; r < R; ++r) q[r] = p.q + (t + r) * p.k;
   for (int64_t b = 0; b < blocks; ++b) {
     // this block's share of the weights kPrefetch bytes on: memory keeps streaming while rows multiply
+    // (past the last panel's end too: a prefetch never faults, and those lines go unused)
     for (int c = 0; c < P; ++c)
       for (int64_t line = 0; line < B * kPanel; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w[c] + kPrefetch + line), _MM_HINT_T0);
@@ -109,17 +110,18 @@ void tile(const Product& p, int64_t t, int64_t panel) {
     }
     for (int r = 0; r < R; ++r) q[r] += B;
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < P; ++c) {
-      const int64_t col = (panel + c) * kPanel;
-      const int64_t width = std::min(kPanel, p.n - col);
-      alignas(32) float bias[kPanel] = {};
-      if (p.bias) std::memcpy(bias, p.bias + col, width * sizeof(float));
+  for (int c = 0; c < P; ++c) {
+    const int64_t col = (panel + c) * kPanel;
+    const int64_t width = std::min(kPanel, p.n - col);
+    alignas(32) float bias_lanes[kPanel] = {};
+    if (p.bias) std::memcpy(bias_lanes, p.bias + col, width * sizeof(float));
+    const __m256 bias = _mm256_load_ps(bias_lanes);
+    for (int r = 0; r < R; ++r) {
       alignas(32) float out[kPanel];
-      _mm256_store_ps(out, _mm256_add_ps(_mm256_mul_ps(acc[r][c], _mm256_set1_ps(p.row_scales[t + r])),
-                                         _mm256_load_ps(bias)));
+      _mm256_store_ps(out, _mm256_add_ps(_mm256_mul_ps(acc[r][c], _mm256_set1_ps(p.row_scales[t + r])), bias));
       std::memcpy(p.y + (t + r) * p.n + col, out, width * sizeof(float));
     }
+  }
 }
 
 template <int R, int P>
