@@ -110,9 +110,8 @@ class Pace:
     def drafted(self, expected_nodes: float, accepted_nodes: int, tokens: int, plain_steps: float) -> None:
         """After a drafted cycle: the tree's expected nodes (without the root), how many of its own
         were accepted, the tokens the cycle yielded and what it cost in plain steps. Tokens and costs
-        are averaged apart (a ratio of averages: a one-token cycle weighs as much as a three-token
-        one); where drafting has been slower, wait before drafting again, twice as long each time in
-        a row."""
+        are averaged apart, so that their ratio is tokens over time, as a throughput is; where
+        drafting has been slower, wait before drafting again, twice as long each time in a row."""
         if expected_nodes > 0:
             self.calibration += EMA_WEIGHT * (min(accepted_nodes / expected_nodes, 4.0) - self.calibration)
         if self.drafted_steps is None:
