@@ -20,12 +20,18 @@ if [ ! -f "$HEADERS/onnxruntime_cxx_api.h" ]; then
   dpkg-deb -x "build/$DEB" build/onnxruntime-dev
 fi
 SOURCES=(runtime/kernels/register.cc runtime/kernels/cache_attention.cc runtime/kernels/int8_matmul.cc)
+TILES=runtime/kernels/int8_tiles.cc
 stale=0
-for f in "${SOURCES[@]}" runtime/kernels/ops.h; do [ ! -f "$OUT" ] || [ "$f" -nt "$OUT" ] && stale=1; done
+for f in "${SOURCES[@]}" "$TILES" runtime/kernels/*.h; do [ ! -f "$OUT" ] || [ "$f" -nt "$OUT" ] && stale=1; done
 if [ "$stale" = 1 ]; then
   # -ffp-contract=off: the products and sums stay the ones written, whatever the compiler sees.
-  g++ -std=c++17 -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fPIC -shared -fvisibility=hidden \
-      -I"$HEADERS" -o "$OUT.tmp" "${SOURCES[@]}"
+  FLAGS=(-std=c++17 -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fPIC -fvisibility=hidden -I"$HEADERS")
+  OBJ=build/kernels
+  mkdir -p "$OBJ"
+  # The tiles twice: for AVX2, and for AVX-512 VNNI, which the operator runs where the CPU has it.
+  g++ "${FLAGS[@]}" -c "$TILES" -o "$OBJ/int8_tiles_avx2.o"
+  g++ "${FLAGS[@]}" -mavx512f -mavx512vl -mavx512vnni -c "$TILES" -o "$OBJ/int8_tiles_avx512_vnni.o"
+  g++ "${FLAGS[@]}" -shared -o "$OUT.tmp" "${SOURCES[@]}" "$OBJ/int8_tiles_avx2.o" "$OBJ/int8_tiles_avx512_vnni.o"
   mv "$OUT.tmp" "$OUT"
 fi
 echo "built $OUT"

@@ -1,6 +1,7 @@
 """The Int8MatMul operator (runtime/kernels/int8_matmul.cc, the products of --precision w8a16) on its
 own, through a real ONNX Runtime session: its result against the same integer products in float64,
-each row's bits whatever the step's other rows and the thread count, and the artifacts that need it
+each row's bits whatever the step's other rows and the thread count, the same bits from its AVX2 and
+AVX-512 VNNI builds, and the artifacts that need it
 refused where it cannot run. Whole w8a16 graphs' tree rows against one-row steps are
 tests/test_runtime_bitwise.py's (kinds "w8a16")."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ from onnx import TensorProto, helper
 import runtime
 from export.onnx_graph import KERNEL_DOMAIN
 from export.quantize import panels_8bit, quantize_8bit, signed_8bit
+from models.cpu import cpu_flags
 from runtime import kernels
 from runtime.backend import ProviderError
 from runtime.session import GraphSession, session_options
@@ -78,6 +80,21 @@ def test_a_rows_bits_do_not_depend_on_the_steps_other_rows(threads):
         np.testing.assert_array_equal(session.run(None, {"x": x[:rows]})[0], alone[:rows], err_msg=f"{rows} rows")
     zero = np.zeros((1, 576), np.float32)  # a row of zeros gives the bias
     np.testing.assert_array_equal(session.run(None, {"x": zero})[0], session.run(None, {"x": zero})[0])
+
+
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags() or "avx512vl" not in cpu_flags(),
+                    reason="this CPU has no AVX-512 VNNI: only the AVX2 build of the tiles runs here")
+@pytest.mark.parametrize("k, n, block, bias", [(576, 995, 32, True), (1536, 577, 64, False)])
+def test_the_vnni_build_gives_the_avx2_builds_bits(k, n, block, bias, monkeypatch):
+    """An artifact's outputs do not depend on which build of the tiles the CPU runs (int8_tiles.cc):
+    the same integers are added, then the same float operations per column."""
+    vnni, _ = matmul_session(k, n, block, bias, threads=2)
+    monkeypatch.setenv("EAGLE2_INT8_MATMUL", "avx2")
+    avx2, _ = matmul_session(k, n, block, bias, threads=2)
+    x = np.random.default_rng(3).standard_normal((53, k)).astype(np.float32) * 2
+    for rows in (1, 3, 4, 5, 53):
+        np.testing.assert_array_equal(vnni.run(None, {"x": x[:rows]})[0], avx2.run(None, {"x": x[:rows]})[0],
+                                      err_msg=f"{rows} rows")
 
 
 def test_mismatched_inputs_are_an_error():

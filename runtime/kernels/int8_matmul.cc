@@ -18,7 +18,9 @@
 //   - column n accumulates fma(float(block sum), scale[n, block], acc) block after block;
 //   - then times s, plus the bias.
 // Tiles of fewer rows or panels run the same operations on fewer lanes, so a tree step's rows
-// equal one-row steps bitwise, on any CPU with AVX2.
+// equal one-row steps bitwise, on any CPU with AVX2; the AVX-512 VNNI build of the tiles adds the
+// same integers (int8_tiles.cc), so an artifact's outputs are the same bits on every such CPU.
+// EAGLE2_INT8_MATMUL=avx2 in the environment runs the AVX2 build where VNNI is there too.
 //
 // Inputs:  x [..., K] (fp32); weight [P, K / 2, 16] (int8, symmetric: panel p, input pair j holds
 //          w[8p + c, 2j + i] at 2c + i); scales [P, K / block, 8] (fp32: scale[8p + c, b] at c);
@@ -34,133 +36,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "int8_matmul.h"
 #include "ops.h"
 
 namespace {
 
-constexpr int64_t kPanel = 8;        // columns of a panel: an int32 lane each
-constexpr int64_t kPanels = 2;       // panels of a register tile
-constexpr int64_t kRows = 4;         // rows of a register tile
-constexpr int64_t kBlockRows = 48;   // rows of a task: their quantized inputs stay in L2 across its tiles
-constexpr int64_t kGroupPanels = 6;  // panels of a task
-constexpr int64_t kPrefetch = 8192;  // bytes of a panel read ahead (docs/benchmarks.md, "w8a16 in panels")
+using int8_matmul::kBlockRows;
+using int8_matmul::kGroupPanels;
+using int8_matmul::kPanel;
+using int8_matmul::Product;
 
 // Activations are rounded to +-kLevels: a block's sum of products stays far inside int32.
 constexpr float kLevels = 32767.0f;
-
-struct Product {
-  const int16_t* q;       // [rows, k] quantized rows
-  const float* row_scales;
-  const int8_t* weight;   // [panels, k / 2, 16]
-  const float* scales;    // [panels, k / block, 8]
-  const float* bias;      // [n] or null
-  float* y;
-  int64_t rows, n, k, block, panels, panel_groups;
-};
-
-// A row's inputs k, k + 1 in every int32 lane.
-inline __m256i input_pair(const int16_t* q) {
-  int32_t pair;
-  std::memcpy(&pair, q, sizeof pair);
-  return _mm256_set1_epi32(pair);
-}
-
-// R rows by P panels from row t and panel `panel`, over blocks of B inputs: a block's sums (R * P)
-// in registers with the widened weights (P) and the broadcast pair (docs/benchmarks.md, "w8a16 in panels").
-template <int R, int P, int B>
-void tile(const Product& p, int64_t t, int64_t panel) {
-  __m256 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < P; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int64_t blocks = p.k / B;
-  const int8_t* w[P];
-  const float* scales[P];
-  for (int c = 0; c < P; ++c) {
-    w[c] = p.weight + (panel + c) * p.k * kPanel;
-    scales[c] = p.scales + (panel + c) * blocks * kPanel;
-  }
-  const int16_t* q[R];
-  for (int r = 0; r < R; ++r) q[r] = p.q + (t + r) * p.k;
-  for (int64_t b = 0; b < blocks; ++b) {
-    // this block's share of the weights kPrefetch bytes on: memory keeps streaming while rows multiply
-    // (past the last panel's end too: a prefetch never faults, and those lines go unused)
-    for (int c = 0; c < P; ++c)
-      for (int64_t line = 0; line < B * kPanel; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w[c] + kPrefetch + line), _MM_HINT_T0);
-    __m256i sums[R][P];
-    for (int j = 0; j < B; j += 2) {
-      __m256i wide[P];
-      for (int c = 0; c < P; ++c)
-        wide[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[c] + j * kPanel)));
-      for (int r = 0; r < R; ++r) {
-        const __m256i pair = input_pair(q[r] + j);
-        for (int c = 0; c < P; ++c) {
-          const __m256i products = _mm256_madd_epi16(wide[c], pair);
-          sums[r][c] = j == 0 ? products : _mm256_add_epi32(sums[r][c], products);
-        }
-      }
-    }
-    for (int c = 0; c < P; ++c) {
-      const __m256 scale = _mm256_loadu_ps(scales[c] + b * kPanel);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]), scale, acc[r][c]);
-      w[c] += B * kPanel;
-    }
-    for (int r = 0; r < R; ++r) q[r] += B;
-  }
-  for (int c = 0; c < P; ++c) {
-    const int64_t col = (panel + c) * kPanel;
-    const int64_t width = std::min(kPanel, p.n - col);
-    alignas(32) float bias_lanes[kPanel] = {};
-    if (p.bias) std::memcpy(bias_lanes, p.bias + col, width * sizeof(float));
-    const __m256 bias = _mm256_load_ps(bias_lanes);
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float out[kPanel];
-      _mm256_store_ps(out, _mm256_add_ps(_mm256_mul_ps(acc[r][c], _mm256_set1_ps(p.row_scales[t + r])), bias));
-      std::memcpy(p.y + (t + r) * p.n + col, out, width * sizeof(float));
-    }
-  }
-}
-
-template <int R, int P>
-void tile(const Product& p, int64_t t, int64_t panel) {
-  if (p.block == 32) tile<R, P, 32>(p, t, panel);
-  else tile<R, P, 64>(p, t, panel);
-}
-
-// A tile of R rows, or of fewer where fewer are left.
-template <int P, int R = kRows>
-void rows_tile(const Product& p, int64_t t, int64_t rows, int64_t panel) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_tile<P, R - 1>(p, t, rows, panel);
-  }
-  tile<R, P>(p, t, panel);
-}
-
-template <int P>
-void rows_of(const Product& p, int64_t t, int64_t rows, int64_t panel) {
-  for (int64_t r = 0; r < rows; r += kRows) rows_tile<P>(p, t + r, std::min(kRows, rows - r), panel);
-}
-
-// A tile of P panels, or of fewer where fewer are left; the panels it took.
-template <int P = kPanels>
-int64_t panels_tile(const Product& p, int64_t t, int64_t rows, int64_t panel, int64_t left) {
-  if constexpr (P > 1) {
-    if (left < P) return panels_tile<P - 1>(p, t, rows, panel, left);
-  }
-  rows_of<P>(p, t, rows, panel);
-  return P;
-}
-
-void product_task(const Product& p, size_t i) {
-  const int64_t t = (static_cast<int64_t>(i) / p.panel_groups) * kBlockRows;
-  const int64_t rows = std::min(kBlockRows, p.rows - t);
-  const int64_t first = (static_cast<int64_t>(i) % p.panel_groups) * kGroupPanels;
-  const int64_t last = std::min(first + kGroupPanels, p.panels);
-  for (int64_t panel = first; panel < last;) panel += panels_tile(p, t, rows, panel, last - panel);
-}
 
 struct Quantization {
   const float* x;
@@ -188,8 +79,24 @@ void quantize_row(const Quantization& z, size_t i) {
   }
 }
 
+using ProductTask = void (*)(const Product&, size_t);
+
+struct Multiplication {
+  Product p;
+  ProductTask task;
+};
+
+// The tiles' build for this CPU: AVX-512 VNNI's where it has VNNI on 256-bit registers.
+ProductTask tiles_for_this_cpu() {
+  const char* asked = std::getenv("EAGLE2_INT8_MATMUL");
+  const bool avx2_asked = asked != nullptr && std::strcmp(asked, "avx2") == 0;
+  if (!avx2_asked && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
+    return int8_matmul::avx512_vnni::product_task;
+  return int8_matmul::avx2::product_task;
+}
+
 struct Int8MatMulKernel {
-  Int8MatMulKernel(const OrtApi& api, const OrtKernelInfo* info) : api_(api) {
+  Int8MatMulKernel(const OrtApi& api, const OrtKernelInfo* info) : api_(api), task_(tiles_for_this_cpu()) {
     Ort::ConstKernelInfo kernel_info(info);
     block_ = kernel_info.GetAttribute<int64_t>("block");
     n_ = kernel_info.GetAttribute<int64_t>("columns");
@@ -229,16 +136,21 @@ struct Int8MatMulKernel {
     auto quantize = [](void* data, size_t i) { quantize_row(*static_cast<const Quantization*>(data), i); };
     Ort::ThrowOnError(api_.KernelContext_ParallelFor(raw, quantize, rows, 0, &z));
 
-    Product p{q.data(), row_scales.data(), weight.GetTensorData<int8_t>(), scales.GetTensorData<float>(), bias,
-              y.GetTensorMutableData<float>(), rows, n_, k, block_, panels,
-              (panels + kGroupPanels - 1) / kGroupPanels};
+    Multiplication m{{q.data(), row_scales.data(), weight.GetTensorData<int8_t>(), scales.GetTensorData<float>(), bias,
+                      y.GetTensorMutableData<float>(), rows, n_, k, block_, panels,
+                      (panels + kGroupPanels - 1) / kGroupPanels},
+                     task_};
     const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
-    auto multiply = [](void* data, size_t i) { product_task(*static_cast<const Product*>(data), i); };
-    Ort::ThrowOnError(api_.KernelContext_ParallelFor(raw, multiply, row_blocks * p.panel_groups, 0, &p));
+    auto multiply = [](void* data, size_t i) {
+      const auto& m = *static_cast<const Multiplication*>(data);
+      m.task(m.p, i);
+    };
+    Ort::ThrowOnError(api_.KernelContext_ParallelFor(raw, multiply, row_blocks * m.p.panel_groups, 0, &m));
   }
 
  private:
   const OrtApi& api_;
+  const ProductTask task_;
   int64_t block_, n_;
 };
 
