@@ -32,15 +32,15 @@ def parser() -> argparse.ArgumentParser:
                    "artifacts/<name>-<precision> for other than the default precision)")
     p.add_argument("--target", default="onnx", help="onnx (ONNX Runtime; default), ipex (intel-extension-for-pytorch, "
                    "in .venv-ipex) or torch (plain PyTorch, CPU or CUDA)")
-    p.add_argument("--precision", help="onnx: int8 (8-bit weights, MatMulNBits; the default on CPUs with VNNI "
-                   "but not AMX), w8a16 (8-bit weights times 16-bit activation rows, this project's exact integer "
-                   "operator: cheap trees on AVX2 without VNNI, where it is the default), "
+    p.add_argument("--precision", help="onnx: int8 (8-bit weights, MatMulNBits; every CPU, the default off "
+                   "x86-64), w8a16 (8-bit weights times 16-bit activation rows, this project's exact integer "
+                   "operator: cheap trees; the default on x86-64 CPUs without AMX), "
                    "w8a8 (8-bit weights and activation rows, SmoothQuant; integer GEMMs: cheap trees on AMX, "
                    "needs VNNI or AMX; the default on CPUs with AMX), fp32, fp16 (CUDA), "
                    "gguf (a GGUF's own quantized weights as they are: Q4_0, Q4_1, Q8_0); "
                    "ipex: bf16 (default), fp32, int8 (weight-only); torch: fp32 (default), bf16, fp16")
     p.add_argument("--cpu-kind", choices=CPU_KINDS, help="onnx: the CPU kind the artifact is for; its fastest "
-                   "lossless path is the default precision (w8a8 for amx, w8a16 for avx2, int8 for the others) and the runtime "
+                   "lossless path is the default precision (w8a8 for amx, w8a16 for the others) and the runtime "
                    "checks it at load (default: this CPU's kind; " + ", ".join(f"{k}: {v}" for k, v in CPU_KINDS.items())
                    + ")")
     p.add_argument("--draft-precision", help="precision of the draft graph (onnx default: int8 for fp32/int8 "

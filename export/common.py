@@ -101,14 +101,14 @@ DEFAULT_DRAFT_VOCAB = 8192
 
 def default_precision(kind: str | None = None) -> str:
     """The CLI's default: the fastest lossless path for a CPU kind (models.cpu.CPU_KINDS; this CPU's
-    by default; models.cpu.ONNX_CPU_PATHS): w8a8 where it has AMX int8 tiles, w8a16 on AVX2 without
-    VNNI, else int8.
+    by default; models.cpu.ONNX_CPU_PATHS): w8a8 where it has AMX int8 tiles, w8a16 on the other
+    x86-64 kinds, int8 elsewhere.
 
     On AMX, w8a8's integer GEMMs make verified rows cheap and its EAGLE-2 decoding measured fastest
-    (docs/code-notes.md); its one-token steps are slower than int8's, so on the VNNI kinds without
-    AMX int8 stays. Without VNNI, w8a8 cannot run exactly at all and int8's 8-bit kernel pays for
-    each verified row almost a step, so w8a16's 16-bit integer products are the path
-    (docs/design.md, "Precisions")."""
+    (docs/code-notes.md). Without VNNI, w8a8 cannot run exactly at all and int8's 8-bit kernel pays
+    for each verified row almost a step; with VNNI but no AMX, int8's verified rows still cost more
+    than w8a16's and its 8-bit activations answer worse: w8a16's 16-bit integer products are the
+    path (docs/design.md, "Precisions")."""
     return onnx_cpu_path(kind or cpu_kind())
 
 

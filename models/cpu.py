@@ -56,17 +56,18 @@ def cpu_kind(flags: set[str] | None = None) -> str | None:
 FROM_KIND_PATH = "the CPU kind's path"
 
 
-# The fastest ONNX precision whose speculation is lossless, by CPU kind (measured per kind in
-# docs/benchmarks.md, "By CPU kind"): w8a8 where AMX's integer tiles make verified rows cheap; w8a16
-# (this project's 16-bit integer products) on AVX2 without VNNI, where MatMulNBits' 8-bit kernel pays
-# for each extra row almost a whole step; int8 (MatMulNBits) on the VNNI kinds.
-ONNX_CPU_PATHS = {"avx2": "w8a16", "amx": "w8a8"}
+# The fastest lossless ONNX precision by CPU kind, where it is not w8a16 (measured per kind in
+# docs/benchmarks.md, "By CPU kind"): w8a8 where AMX's integer tiles make verified rows cheap. Elsewhere
+# w8a16, this project's 16-bit integer products (AVX2; vpdpwssd where the CPU has AVX-512 VNNI): on
+# AVX2 without VNNI MatMulNBits' 8-bit kernel pays for each extra row almost a whole step, and with
+# VNNI its 8-bit activations cost extra rows more and answer worse.
+ONNX_CPU_PATHS = {"amx": "w8a8"}
 
 
 def onnx_cpu_path(kind: str | None) -> str:
-    """The fastest lossless ONNX precision for a CPU kind (ONNX_CPU_PATHS), else int8 (8-bit weights),
-    which every CPU runs."""
-    return ONNX_CPU_PATHS.get(kind, "int8")
+    """The fastest lossless ONNX precision for a CPU kind (ONNX_CPU_PATHS, else w8a16); int8 (8-bit
+    weights, which every CPU runs) off x86-64."""
+    return "int8" if kind is None else ONNX_CPU_PATHS.get(kind, "w8a16")
 
 
 def int8_dot_products() -> bool:

